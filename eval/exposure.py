@@ -1,0 +1,146 @@
+"""Secret-Sharer exposure of random canaries (Carlini et al., USENIX Security 2019).
+
+A random canary is a template prefix followed by a secret r drawn from a space R (e.g. 9 digit slots,
+|R| = 10^9). Its log-perplexity under the model, given the prefix, is
+
+    Px(r) = - sum over the secret's tokens of log2 p(token | prefix, earlier secret tokens)
+
+and its rank is #{r' in R : Px(r') <= Px(r_true)} (1 = the model prefers the true secret to every
+other candidate; ties count against the secret). Then
+
+    exposure = log2 |R| - log2 rank,        between 0 and log2 |R|.
+
+Two methods, chosen by |R| against `exact_limit`:
+  - "exact": every candidate is scored and the rank counted;
+  - "skewnorm" (or "normal"): `n_samples` candidates are drawn uniformly from R, a skew-normal (normal)
+    distribution is fitted to their log-perplexities, and exposure = -log2 CDF(Px(r_true)), i.e. the
+    rank is extrapolated as |R| * CDF. This is the paper's estimator; it reaches far beyond the
+    resolution of the sample (log2 n_samples bits), which the plain empirical estimate
+    -log2((#{sampled <= true} + 1) / (n_samples + 1)) cannot; the latter is reported alongside.
+The estimate is capped at log2 |R| (rank >= 1).
+
+The interface is generic: `candidates_fn(indices) -> token lists` renders secrets from indices in
+[0, |R|); `SlotSpace` is the usual digit-slot instance.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+from scipy import stats
+
+from .decode import sequence_logprobs
+
+LN2 = math.log(2.0)
+
+
+@dataclass
+class SlotSpace:
+    """Secrets made of `n_slots` symbols, each symbol rendered as a token-id list from `alphabet`.
+
+    Index i is read as a mixed-radix number (first slot most significant), so index and secret are in
+    one-to-one correspondence and |R| = len(alphabet) ** n_slots.
+    """
+
+    n_slots: int
+    alphabet: Sequence[Sequence[int]]  # e.g. the token ids of "0".."9", one list per symbol
+
+    @property
+    def size(self) -> int:
+        return len(self.alphabet) ** self.n_slots
+
+    def symbols(self, index: int) -> list[int]:
+        base, out = len(self.alphabet), []
+        for _ in range(self.n_slots):
+            index, s = divmod(index, base)
+            out.append(s)
+        return out[::-1]
+
+    def index(self, symbols: Sequence[int]) -> int:
+        i = 0
+        for s in symbols:
+            i = i * len(self.alphabet) + int(s)
+        return i
+
+    def render(self, indices: Sequence[int]) -> list[list[int]]:
+        return [[t for s in self.symbols(int(i)) for t in self.alphabet[s]] for i in indices]
+
+
+@dataclass
+class ExposureResult:
+    exposure: float
+    method: str  # "exact", "skewnorm" or "normal"
+    log_perplexity: float  # Px of the true secret, bits
+    space_size: int
+    n_scored: int  # candidates scored (all of R when exact)
+    rank: int | None = None  # exact rank (exact method only)
+    empirical_exposure: float | None = None  # sampled methods: from the sample's own counts
+    fit_params: tuple | None = None
+
+
+def secret_log_perplexities(model, prefix: Sequence[int], secrets: Sequence[Sequence[int]],
+                            batch_size: int = 128) -> np.ndarray:
+    """Px in bits of each secret after `prefix` (only the secret's tokens are counted)."""
+    if len(prefix) == 0:
+        raise ValueError("exposure needs a non-empty template prefix (the first secret token needs context)")
+    lp = sequence_logprobs(model, [list(prefix) + list(s) for s in secrets], batch_size=batch_size).logprobs
+    # logprobs[i][t] is for token t+1, so the secret's tokens are the last len(secret) entries
+    return np.array([-lp[i][len(prefix) - 1:].sum() / LN2 for i in range(len(secrets))])
+
+
+def exposure(model, prefix: Sequence[int], candidates_fn: Callable[[Sequence[int]], list[list[int]]],
+             space_size: int, true_index: int | None = None, true_tokens: Sequence[int] | None = None, *,
+             exact_limit: int = 10_000, n_samples: int = 5_000, fit: str = "skewnorm",
+             batch_size: int = 128, chunk: int = 4096, seed: int = 0) -> ExposureResult:
+    """Exposure of the true secret (given by index in R, or by its tokens) among all candidates in R.
+
+    Exact when space_size <= exact_limit, otherwise estimated from `n_samples` sampled candidates with
+    a fitted `fit` ("skewnorm" or "normal") distribution; see the module docstring.
+    """
+    if true_index is None and true_tokens is None:
+        raise ValueError("give the true secret as true_index or true_tokens")
+    if space_size < 1:
+        raise ValueError("space_size must be >= 1")
+    max_bits = math.log2(space_size)
+
+    if space_size <= exact_limit:
+        scores, found = [], None
+        for start in range(0, space_size, chunk):
+            idx = list(range(start, min(start + chunk, space_size)))
+            cands = candidates_fn(idx)
+            if true_index is None:
+                found = next((i for i, c in zip(idx, cands) if list(c) == list(true_tokens)), found)
+            scores.append(secret_log_perplexities(model, prefix, cands, batch_size))
+        scores = np.concatenate(scores)
+        true_index = true_index if true_index is not None else found
+        if true_index is None:
+            raise ValueError("true_tokens is not among the rendered candidates")
+        # Use the enumerated score of the true secret itself, so it ties with nothing but itself.
+        px = float(scores[true_index])
+        rank = int((scores <= px).sum())
+        return ExposureResult(max_bits - math.log2(rank), "exact", px, space_size, space_size, rank=rank)
+
+    if true_tokens is None:
+        true_tokens = candidates_fn([true_index])[0]
+    px = float(secret_log_perplexities(model, prefix, [true_tokens], batch_size)[0])
+    rng = random.Random(seed)  # Python ints: spaces larger than 2^63 are fine
+    idx = [rng.randrange(space_size) for _ in range(n_samples)]
+    sample = np.concatenate([
+        secret_log_perplexities(model, prefix, candidates_fn(idx[s:s + chunk]), batch_size)
+        for s in range(0, n_samples, chunk)])
+    if fit == "skewnorm":
+        params = stats.skewnorm.fit(sample)
+        log_cdf = float(stats.skewnorm.logcdf(px, *params))
+    elif fit == "normal":
+        params = stats.norm.fit(sample)
+        log_cdf = float(stats.norm.logcdf(px, *params))
+    else:
+        raise ValueError(f"unknown fit {fit!r} (skewnorm or normal)")
+    est = min(max(-log_cdf / LN2, 0.0), max_bits)  # -inf log_cdf (far tail) -> cap
+    empirical = -math.log2((int((sample <= px).sum()) + 1) / (n_samples + 1))
+    return ExposureResult(est, fit, px, space_size, n_samples, empirical_exposure=min(empirical, max_bits),
+                          fit_params=tuple(float(p) for p in params))

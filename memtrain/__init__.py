@@ -1,0 +1,1 @@
+"""memtrain: memorization experiments on a 4D-parallel engine."""

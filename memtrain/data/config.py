@@ -1,0 +1,106 @@
+"""Configuration of the training stream: where the text comes from and which canaries go into it."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+CANARY_KINDS = ("random", "document")
+RANDOM_FORMATS = ("secret", "tokens")
+
+
+@dataclass
+class DataConfig:
+    corpus: str = "stdlib"
+    """'stdlib' (this Python's own *.py sources: offline, no install), a directory of text files (one
+    document per file), a text/json/jsonl/csv/parquet file or glob, a `save_to_disk` directory, or a hub
+    dataset name (needs network)."""
+    text_field: str = "text"
+    """Column holding the text in json/jsonl/csv/parquet/hub/`save_to_disk` corpora."""
+    file_glob: str = "**/*"
+    """Files read (one document each) when `corpus` is a plain directory."""
+    txt_sample_by: str = "paragraph"
+    """How a .txt corpus file is cut into documents: 'document' (whole file), 'paragraph' or 'line'."""
+    corpus_split: str = "train"
+    """Split read from hub datasets and from `save_to_disk` dataset dictionaries."""
+    max_docs: int | None = None
+    """Use only this many documents, evenly spaced through the sorted corpus (quick runs, tests)."""
+    val_fraction: float = 0.05
+    """Fraction of documents held out of training for utility evaluation (validation loss)."""
+    tokenizer: str = "bpe"
+    """'bpe' trains a byte-level BPE on the corpus (cached); otherwise a local directory or hub id."""
+    vocab_size: int = 4096
+    """Vocabulary of the trained BPE, EOS included (ignored for a pretrained tokenizer)."""
+    seq_len: int = 256
+    """Input tokens per training sequence (labels are the next tokens)."""
+    cache_dir: str | None = None
+    """Where tokenizers and prepared streams are cached; default $MEMTRAIN_CACHE or ~/.cache/memtrain."""
+
+    def __post_init__(self):
+        if self.seq_len < 2:
+            raise ValueError(f"data.seq_len={self.seq_len} is invalid: use at least 2 tokens per sequence")
+        if self.tokenizer == "bpe" and self.vocab_size < 258:
+            raise ValueError(f"data.vocab_size={self.vocab_size} is too small for a byte-level BPE: "
+                             "use >= 258 (256 bytes + EOS + merges)")
+        if not 0.0 <= self.val_fraction < 1.0:
+            raise ValueError(f"data.val_fraction={self.val_fraction} is invalid: use a value in [0, 1)")
+        if self.max_docs is not None and self.max_docs < 1:
+            raise ValueError(f"data.max_docs={self.max_docs} is invalid: use None (all) or >= 1")
+        if self.txt_sample_by not in ("document", "paragraph", "line"):
+            raise ValueError(f"data.txt_sample_by={self.txt_sample_by!r} is invalid: "
+                             "use 'document', 'paragraph' or 'line'")
+
+    def resolved_cache_dir(self) -> Path:
+        root = self.cache_dir or os.environ.get("MEMTRAIN_CACHE") or "~/.cache/memtrain"
+        return Path(root).expanduser()
+
+
+@dataclass
+class CanaryConfig:
+    kinds: list[str] = field(default_factory=lambda: ["random", "document"])
+    """Canary kinds inserted: 'random' (secrets with a known candidate space, for exposure) and
+    'document' (natural documents held out of the corpus)."""
+    number: int = 8
+    """Canaries of each kind (each also gets a held-out twin drawn the same way, never trained on)."""
+    copies: list[int] = field(default_factory=lambda: [1, 2, 4, 8])
+    """Duplication levels: canary i of each kind is inserted copies[i % len(copies)] times."""
+    placement: str | int = "random"
+    """Offset of a canary's first token in its sequence: 'start' (1, right after the EOS that opens it),
+    'random' (uniform over the offsets where it fits), or a fixed int >= 1."""
+    length: int = 64
+    """Tokens per canary for random-token and document canaries (secrets have the template's length)."""
+    random_format: str = "secret"
+    """'secret': "The secret code of <name> is dddd-dddd-dddd-dddd" with uniform digits (Secret Sharer);
+    'tokens': `length` token ids drawn uniformly from the vocabulary (special tokens excluded)."""
+    secret_groups: int = 4
+    """Groups of 4 digits in a secret: the candidate space has 10**(4 * secret_groups) secrets."""
+    seed: int = 0
+    """Seed of canary content (which secrets, which documents); placement follows the stream seed."""
+
+    def __post_init__(self):
+        self.kinds = list(self.kinds)
+        self.copies = list(self.copies)
+        for kind in self.kinds:
+            if kind not in CANARY_KINDS:
+                raise ValueError(f"canary.kinds contains {kind!r}: use any of {list(CANARY_KINDS)}")
+        if len(set(self.kinds)) != len(self.kinds):
+            raise ValueError(f"canary.kinds={self.kinds} repeats a kind: list each kind once")
+        if self.number < 0:
+            raise ValueError(f"canary.number={self.number} is invalid: use >= 0 canaries per kind")
+        if not self.copies or any(not isinstance(c, int) or c < 1 for c in self.copies):
+            raise ValueError(f"canary.copies={self.copies} is invalid: use a non-empty list of ints >= 1")
+        if isinstance(self.placement, str):
+            if self.placement not in ("start", "random"):
+                raise ValueError(f"canary.placement={self.placement!r} is invalid: "
+                                 "use 'start', 'random' or an int offset >= 1")
+        elif isinstance(self.placement, bool) or not isinstance(self.placement, int) or self.placement < 1:
+            raise ValueError(f"canary.placement={self.placement!r} is invalid: an int offset must be >= 1 "
+                             "(position offset-1 holds the EOS that opens the canary)")
+        if self.length < 1:
+            raise ValueError(f"canary.length={self.length} is invalid: use >= 1 token")
+        if self.random_format not in RANDOM_FORMATS:
+            raise ValueError(f"canary.random_format={self.random_format!r} is invalid: "
+                             "use 'secret' or 'tokens'")
+        if self.secret_groups < 1:
+            raise ValueError(f"canary.secret_groups={self.secret_groups} is invalid: use >= 1 group")

@@ -1,0 +1,284 @@
+"""The single-pass training stream: packed sequences with canaries at recorded places.
+
+Layout. The stream is one contiguous token array T of n_seq * seq_len + 1 tokens; row i has
+input_ids = T[i*S : (i+1)*S] and labels = T[i*S+1 : (i+1)*S+1], so no token is lost between rows.
+Training documents (order shuffled by the seed) follow each other, each closed by EOS. A canary copy
+is written as EOS, canary, EOS, with its first token at `offset` >= 1 of its row: every canary token,
+the first one included, is then a label of that row, predicted from the same in-document context
+wherever the copy sits (which keeps the Goldfish mask identical across copies). Corpus text flows
+around the canaries; a document interrupted by a canary resumes after it as a new document. The tail
+of the last row is padding (label -100) when the text runs out.
+
+doc_pos[t] is the position of T[t] inside its document: the number of tokens since the last EOS
+(or padding, or the start of the stream).
+
+The stream is a pure function of (corpus, tokenizer, seq_len, val_fraction, canary config, seed): no
+model or parallel setting enters, so every model size and every grid trains on the same bytes. It is
+cached under <cache>/streams/<key>, key = hash of all of these.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import asdict
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from memtrain.data.canaries import Canary, Placement, make_document_canaries, make_random_canaries
+from memtrain.data.config import CanaryConfig, DataConfig
+from memtrain.data.corpus import load_corpus
+from memtrain.data.tokenizer import encode, load_tokenizer, tokenizer_fingerprint, vocab_size
+
+FORMAT_VERSION = 1
+PAD = -1  # in T only; batches show padding as EOS inputs with label -100
+IGNORE_INDEX = -100
+_VAL_SEED = 0x5EED_0F_7A1  # fixed: the validation split is shared by every stream seed and canary set
+
+
+class TrainStream:
+    """Packed training sequences, canaries with their placements, and held-out validation text."""
+
+    def __init__(self, tokens: np.ndarray, seq_len: int, canaries: list[Canary], val_texts: list[str],
+                 tokenizer, meta: dict):
+        self.tokens = tokens
+        self.seq_len = seq_len
+        self.canaries = canaries
+        self.val_texts = val_texts
+        """Documents held out of training (never canaries), for validation loss / utility."""
+        self.tokenizer = tokenizer
+        self.meta = meta
+        self.eos_id = int(tokenizer.eos_token_id)
+        self.vocab_size = vocab_size(tokenizer)
+        self.doc_pos = document_positions(tokens, self.eos_id)
+
+    def __len__(self) -> int:
+        return (len(self.tokens) - 1) // self.seq_len
+
+    @property
+    def key(self) -> str:
+        return self.meta["key"]
+
+    def num_steps(self, batch_size: int) -> int:
+        """Steps of one pass; the last batch is short when batch_size does not divide len(self)."""
+        return -(-len(self) // batch_size)
+
+    def rows(self, lo: int, hi: int) -> dict[str, np.ndarray]:
+        """Rows [lo, hi) as numpy arrays: input_ids, labels (-100 where unsupervised), doc_pos of labels."""
+        if not 0 <= lo < hi <= len(self):
+            raise IndexError(f"rows [{lo}, {hi}) outside the stream's {len(self)} sequences")
+        S = self.seq_len
+        idx = np.arange(lo, hi)[:, None] * S + np.arange(S + 1)[None, :]
+        t = self.tokens[idx].astype(np.int64)
+        x, y = t[:, :-1], t[:, 1:]
+        return {"input_ids": np.where(x == PAD, self.eos_id, x),
+                "labels": np.where((y == PAD) | (x == PAD), IGNORE_INDEX, y),
+                "doc_pos": self.doc_pos[idx[:, 1:]].astype(np.int64)}
+
+    def batch(self, step: int, batch_size: int) -> dict[str, torch.Tensor]:
+        """Global batch `step`: sequences [step*B, (step+1)*B) as long tensors [B, S] (+ seq_index [B]).
+
+        Data-parallel rank r of D takes rows [r*B/D, (r+1)*B/D) of it (see `locate`).
+        """
+        lo = step * batch_size
+        hi = min(lo + batch_size, len(self))
+        out = {k: torch.from_numpy(v) for k, v in self.rows(lo, hi).items()}
+        out["seq_index"] = torch.arange(lo, hi)
+        return out
+
+    def manifest(self, batch_size: int, data_shards: int = 1) -> list[dict]:
+        """Canary records with the step and data-parallel rank of every copy filled in for this grid."""
+        records = []
+        for c in self.canaries:
+            d = c.to_dict()
+            for p in d["placements"]:
+                p["step"], p["dp_rank"] = locate(p["seq_index"], batch_size, data_shards)
+            records.append(d)
+        return records
+
+    def write_manifest(self, path: str | os.PathLike, batch_size: int, data_shards: int = 1) -> Path:
+        """Write canaries.jsonl (one canary per line) for a run with this batch size and grid."""
+        path = Path(path)
+        if path.is_dir() or not path.suffix:
+            path = path / "canaries.jsonl"
+        lines = [json.dumps(r, ensure_ascii=False) for r in self.manifest(batch_size, data_shards)]
+        _atomic_write(path, ("\n".join(lines) + "\n" if lines else "").encode("utf-8"))
+        return path
+
+
+def locate(seq_index: int, batch_size: int, data_shards: int = 1) -> tuple[int, int]:
+    """(step, data-parallel rank) of a sequence: global batches are consecutive rows, and shard r of D
+    holds the contiguous block [r*B/D, (r+1)*B/D) of each batch."""
+    if batch_size < 1 or data_shards < 1 or batch_size % data_shards:
+        raise ValueError(f"batch_size={batch_size} must be a positive multiple of data_shards={data_shards}")
+    return seq_index // batch_size, (seq_index % batch_size) // (batch_size // data_shards)
+
+
+def document_positions(tokens: np.ndarray, eos_id: int) -> np.ndarray:
+    """Position of every token inside its document (0 right after EOS, padding or the stream start)."""
+    n = len(tokens)
+    starts = np.zeros(n, dtype=bool)
+    starts[0] = True
+    starts[1:] = (tokens[:-1] == eos_id) | (tokens[:-1] == PAD)
+    idx = np.arange(n, dtype=np.int64)
+    return (idx - np.maximum.accumulate(np.where(starts, idx, 0))).astype(np.int32)
+
+
+def occurrences(tokens: np.ndarray, ids: list[int]) -> list[int]:
+    """Every start index of the token sequence `ids` in `tokens` (byte search, fast on long streams)."""
+    hay = np.ascontiguousarray(tokens, dtype=np.int32).tobytes()
+    needle = np.asarray(ids, dtype=np.int32).tobytes()
+    found, i = [], hay.find(needle)
+    while i >= 0:
+        if i % 4 == 0:  # a match must start on a token boundary
+            found.append(i // 4)
+        i = hay.find(needle, i + 1)
+    return found
+
+
+def build_stream(data_cfg: DataConfig, canary_cfg: CanaryConfig | None = None, seed: int = 0) -> TrainStream:
+    """Build (or load from cache) the training stream for these configs and seed."""
+    canary_cfg = canary_cfg if canary_cfg is not None else CanaryConfig(number=0)
+    corpus = load_corpus(data_cfg)
+    tok = load_tokenizer(data_cfg, corpus)
+    cache = data_cfg.resolved_cache_dir()
+    spec = {"version": FORMAT_VERSION, "corpus": corpus.fingerprint, "tokenizer": tokenizer_fingerprint(tok),
+            "seq_len": data_cfg.seq_len, "val_fraction": data_cfg.val_fraction,
+            "canaries": asdict(canary_cfg), "seed": seed}
+    key = _hash(spec)
+    folder = cache / "streams" / key
+    if (folder / "meta.json").exists():
+        meta = json.loads((folder / "meta.json").read_text())
+        tokens = np.load(folder / "tokens.npy")
+        canaries = [Canary.from_dict(d) for d in json.loads((folder / "canaries.json").read_text())]
+        val = json.loads((folder / "val.json").read_text())
+        return TrainStream(tokens, data_cfg.seq_len, canaries, val, tok, meta)
+
+    docs = _tokenized(corpus, tok, cache)
+    S, eos = data_cfg.seq_len, int(tok.eos_token_id)
+    n = len(corpus.docs)
+    n_val = max(1, round(data_cfg.val_fraction * n)) if data_cfg.val_fraction and n > 1 else 0
+    val_idx = set(np.random.default_rng(_VAL_SEED).permutation(n)[:n_val].tolist())
+    rest = [i for i in range(n) if i not in val_idx]
+
+    canaries: list[Canary] = []
+    held: set[int] = set()
+    if canary_cfg.number and "random" in canary_cfg.kinds:
+        canaries += make_random_canaries(canary_cfg, tok, np.random.default_rng([canary_cfg.seed, 1]))
+    if canary_cfg.number and "document" in canary_cfg.kinds:
+        candidates = [i for i in rest if len(docs[i]) >= canary_cfg.length]
+        doc_canaries, used = make_document_canaries(canary_cfg, tok, corpus.docs, candidates,
+                                                    np.random.default_rng([canary_cfg.seed, 2]))
+        canaries += doc_canaries
+        held.update(used)
+    for c in canaries:
+        if len(c.token_ids) > S - 1 or len(c.twin_token_ids) > S - 1:
+            L = max(len(c.token_ids), len(c.twin_token_ids))
+            raise ValueError(f"canary {c.id} has {L} tokens but seq_len={S} fits at most {S - 1} (one "
+                             "position holds the EOS before it): shorten canary.length or raise data.seq_len")
+
+    train = [i for i in rest if i not in held]
+    if not train:
+        raise ValueError(f"no training documents left in corpus {corpus.source!r} after holding out "
+                         f"{len(val_idx)} validation and {len(held)} canary documents: use a larger corpus")
+    order = np.random.default_rng([seed, 1]).permutation(np.asarray(train))
+    text = np.concatenate([x for i in order for x in (docs[i], np.array([eos], dtype=np.int32))])
+
+    n_copies = sum(c.copies for c in canaries)
+    need = len(text) + sum(c.copies * (len(c.token_ids) + 2) for c in canaries)
+    n_seq = max(1, -(-(need - 1) // S))
+    if n_copies > n_seq:
+        raise ValueError(f"{n_copies} canary copies but only {n_seq} sequences (at most one copy per "
+                         "sequence): lower canary.number or canary.copies, or use a larger corpus")
+    _place(canaries, n_seq, S, canary_cfg.placement, np.random.default_rng([seed, 2]))
+    tokens = _pack(text, canaries, n_seq, S, eos)
+
+    meta = {**spec, "key": key, "corpus_source": corpus.source, "n_seq": n_seq, "n_docs": n,
+            "n_train_docs": len(train), "n_val_docs": len(val_idx), "n_canary_docs": len(held),
+            "text_tokens": int(len(text)), "canary_copies": n_copies}
+    folder.mkdir(parents=True, exist_ok=True)
+    _atomic_write(folder / "tokens.npy", _npy_bytes(tokens))
+    _atomic_write(folder / "canaries.json", json.dumps([c.to_dict() for c in canaries]).encode())
+    _atomic_write(folder / "val.json", json.dumps([corpus.docs[i].text for i in sorted(val_idx)]).encode())
+    _atomic_write(folder / "meta.json", json.dumps(meta, indent=1).encode())  # last: marks the entry complete
+    return TrainStream(tokens, S, canaries, [corpus.docs[i].text for i in sorted(val_idx)], tok, meta)
+
+
+def _place(canaries: list[Canary], n_seq: int, S: int, placement, rng: np.random.Generator) -> None:
+    """Give every copy its own row, one per equal stratum of the pass, so copies spread evenly."""
+    copies = [c for c in canaries for _ in range(c.copies)]
+    M = len(copies)
+    if M == 0:
+        return
+    bounds = np.arange(M + 1) * n_seq // M
+    rows = rng.integers(bounds[:-1], bounds[1:])  # one row in each stratum (every stratum is non-empty)
+    for stratum, j in enumerate(rng.permutation(M)):
+        c = copies[j]
+        room = S - len(c.token_ids)  # largest offset where the canary still fits
+        if placement == "start":
+            offset = 1
+        elif placement == "random":
+            offset = int(rng.integers(1, room + 1))
+        elif placement > room:
+            raise ValueError(f"canary.placement={placement} puts canary {c.id} ({len(c.token_ids)} tokens) "
+                             f"past seq_len={S}: use an offset in [1, {room}]")
+        else:
+            offset = placement
+        c.placements.append(Placement(seq_index=int(rows[stratum]), offset=offset))
+    for c in canaries:
+        c.placements.sort(key=lambda p: p.seq_index)
+
+
+def _pack(text: np.ndarray, canaries: list[Canary], n_seq: int, S: int, eos: int) -> np.ndarray:
+    T = np.full(n_seq * S + 1, PAD, dtype=np.int32)
+    used = np.zeros(len(T), dtype=bool)
+    for c in canaries:
+        seg = np.array([eos, *c.token_ids, eos], dtype=np.int32)
+        for p in c.placements:
+            a = p.seq_index * S + p.offset - 1
+            T[a:a + len(seg)] = seg  # neighbouring copies may share a boundary EOS, never a token
+            used[a:a + len(seg)] = True
+    free = np.flatnonzero(~used)
+    assert len(free) >= len(text), "n_seq leaves room for all text by construction"
+    T[free[:len(text)]] = text
+    return T
+
+
+def _tokenized(corpus, tok, cache: Path) -> list[np.ndarray]:
+    """Token ids of every corpus document, cached per (corpus, tokenizer) so seeds and canary settings
+    reuse one tokenization."""
+    key = _hash({"corpus": corpus.fingerprint, "tokenizer": tokenizer_fingerprint(tok)})
+    folder = cache / "tokenized" / key
+    if (folder / "offsets.npy").exists():
+        ids, offsets = np.load(folder / "ids.npy"), np.load(folder / "offsets.npy")
+    else:
+        parts = encode(tok, [d.text for d in corpus.docs])
+        offsets = np.cumsum([0] + [len(p) for p in parts]).astype(np.int64)
+        ids = np.concatenate(parts) if parts else np.zeros(0, np.int32)
+        folder.mkdir(parents=True, exist_ok=True)
+        _atomic_write(folder / "ids.npy", _npy_bytes(ids))
+        _atomic_write(folder / "offsets.npy", _npy_bytes(offsets))
+    return [ids[offsets[i]:offsets[i + 1]] for i in range(len(offsets) - 1)]
+
+
+def _hash(obj) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:24]
+
+
+def _npy_bytes(arr: np.ndarray) -> bytes:
+    import io
+
+    buf = io.BytesIO()
+    np.save(buf, arr, allow_pickle=False)
+    return buf.getvalue()
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    """Write to a temporary name, then rename: readers (other ranks, other runs) never see half a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)

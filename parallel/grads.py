@@ -1,0 +1,96 @@
+"""Gradient synchronization and clipping driven by each parameter's ShardSpec.
+
+After backward, a sharded weight's gradient is already summed over Z (its reduce-scatter) and needs
+only the data axis; other parameters need every axis over which their rows of data differ. Grads are
+summed, not averaged: the loss is normalized by the global number of supervised tokens, so the sum
+is the gradient of the global mean.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from contextlib import contextmanager
+
+import torch
+
+from . import comm
+from .grid import Grid
+from .sharding import spec_of
+
+_SYNC_ENABLED = True
+
+
+@contextmanager
+def no_sync():
+    """Skip `sync_gradients` inside (micro-batches of gradient accumulation); sync once after."""
+    global _SYNC_ENABLED
+    prev, _SYNC_ENABLED = _SYNC_ENABLED, False
+    try:
+        yield
+    finally:
+        _SYNC_ENABLED = prev
+
+
+def _params(model_or_params):
+    if isinstance(model_or_params, torch.nn.Module):
+        return list(model_or_params.parameters())
+    return list(model_or_params)
+
+
+@torch.no_grad()
+def sync_gradients(model_or_params, grid: Grid) -> None:
+    """All-reduce (sum) gradients, one flat bucket per distinct set of reduce axes and dtype."""
+    if not _SYNC_ENABLED:
+        return
+    buckets: dict[tuple, list[torch.Tensor]] = defaultdict(list)
+    seen = set()
+    for p in _params(model_or_params):
+        if p.grad is None or id(p) in seen:
+            continue
+        seen.add(id(p))
+        axes = tuple(a for a in spec_of(p).reduce_axes if grid.size(a) > 1)
+        if axes:
+            buckets[(axes, p.grad.dtype)].append(p.grad)
+    for (axes, _), grads in buckets.items():
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        comm.all_reduce(flat, grid, axes)
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset:offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+
+@torch.no_grad()
+def grad_norm(model_or_params, grid: Grid) -> torch.Tensor:
+    """The global L2 norm of all gradients, as if the model were whole on one process.
+
+    Each parameter counts once: only the rank at coordinate 0 of every axis that replicates it adds
+    its squared norm, then one all-reduce over the world sums the distinct shards.
+    """
+    total = torch.zeros((), dtype=torch.float64)
+    coords = grid.coords
+    seen = set()
+    for p in _params(model_or_params):
+        if p.grad is None or id(p) in seen:
+            continue
+        seen.add(id(p))
+        replicated = [a for a in ("x", "y", "z", "data") if a not in spec_of(p).shard_axes]
+        if all(coords[a] == 0 for a in replicated):
+            total += p.grad.detach().double().pow(2).sum().cpu()
+    dev = next((p.grad.device for p in _params(model_or_params) if p.grad is not None), torch.device("cpu"))
+    total = total.to(dev)
+    comm.all_reduce(total, grid, ("x", "y", "z", "data"))
+    return total.sqrt()
+
+
+@torch.no_grad()
+def clip_grad_norm_(model_or_params, max_norm: float, grid: Grid) -> torch.Tensor:
+    """Scale gradients so their global norm is at most max_norm; returns the norm before clipping."""
+    norm = grad_norm(model_or_params, grid)
+    coef = max_norm / (float(norm) + 1e-6)
+    if coef < 1.0 and math.isfinite(coef):
+        for p in {id(p): p for p in _params(model_or_params)}.values():
+            if p.grad is not None:
+                p.grad.mul_(coef)
+    return norm.float()

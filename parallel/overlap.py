@@ -1,0 +1,117 @@
+"""Communication/computation overlap: the OAR, ORS and OAG switches of AxoNN.
+
+    with parallel.overlap(model, all_reduce=True, reduce_scatter=True, all_gather=True):
+        loss = model(batch).sum(); loss.backward()
+    optimizer.step()   # outside: weight gradients land in .grad when the context exits
+
+- OAR: the backward input-gradient reduction (over the layer's in-feature axis) runs async while the
+  weight-gradient matmul computes.
+- ORS: weight-gradient reduce-scatters over Z run async; their results are added to `.grad` when the
+  context exits, so `.grad` is incomplete inside it.
+- OAG: a layer's Z all-gather of its weight is issued while the layer before it computes. The order
+  is the one recorded during the previous pass (forward and backward separately), never the module
+  registration order; a layer that was not prefetched simply gathers synchronously.
+All three change only when communication happens, never what is computed, so results are identical.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+
+
+class Prefetcher:
+    """Per-model record of the order layers gathered their weights, and the gathers in flight."""
+
+    def __init__(self):
+        self.order: dict[str, list] = {"fwd": [], "bwd": []}
+        self.seen: dict[str, list] = {"fwd": [], "bwd": []}
+        self.inflight: dict[tuple[str, int], tuple] = {}
+
+    def begin(self) -> None:
+        self.seen = {"fwd": [], "bwd": []}
+        self._issue("fwd", 0)
+
+    def _issue(self, phase: str, pos: int) -> None:
+        order = self.order[phase]
+        if pos < len(order):
+            layer = order[pos]
+            self.inflight[(phase, pos)] = (layer, *layer.gather_weight_async())
+
+    def take(self, layer, phase: str) -> torch.Tensor:
+        pos = len(self.seen[phase])
+        self.seen[phase].append(layer)
+        hit = self.inflight.pop((phase, pos), None)
+        self._issue(phase, pos + 1)
+        if hit is not None and hit[0] is layer:
+            _, flat, work = hit
+            work.wait()
+            return layer.view_gathered(flat)
+        if hit is not None:
+            hit[2].wait()
+        return layer.gather_weight()
+
+    def end(self) -> None:
+        for _, _, work in self.inflight.values():
+            work.wait()
+        self.inflight.clear()
+        for phase in ("fwd", "bwd"):
+            if self.seen[phase]:
+                self.order[phase] = self.seen[phase]
+
+
+@dataclass
+class OverlapState:
+    all_reduce: bool = False
+    reduce_scatter: bool = False
+    all_gather: bool = False
+    prefetcher: Prefetcher | None = None
+    pending: list = field(default_factory=list)  # (param, grad shard, work)
+
+    def defer_grad(self, param: torch.nn.Parameter, grad: torch.Tensor, work) -> None:
+        self.pending.append((param, grad, work))
+
+    def finish(self) -> None:
+        for param, grad, work in self.pending:
+            work.wait()
+            param.grad = grad if param.grad is None else param.grad.add_(grad)
+        self.pending.clear()
+
+
+_STATE: OverlapState | None = None
+
+
+def state() -> OverlapState | None:
+    return _STATE
+
+
+@contextmanager
+def overlap(model: torch.nn.Module, *, all_reduce: bool = True, reduce_scatter: bool = True,
+            all_gather: bool = True):
+    global _STATE
+    if _STATE is not None:
+        raise RuntimeError("parallel.overlap() contexts do not nest")
+    prefetcher = None
+    if all_gather:
+        prefetcher = getattr(model, "_mt_prefetcher", None)
+        if prefetcher is None:
+            prefetcher = Prefetcher()
+            model._mt_prefetcher = prefetcher
+        prefetcher.begin()
+    _STATE = OverlapState(all_reduce, reduce_scatter, all_gather, prefetcher)
+    try:
+        yield _STATE
+    finally:
+        st, _STATE = _STATE, None
+        st.finish()
+        if prefetcher is not None:
+            prefetcher.end()
+
+
+def finish_pending() -> None:
+    """Complete deferred work now (used by code that needs `.grad` inside the context)."""
+    if _STATE is not None:
+        _STATE.finish()
+

@@ -1,0 +1,70 @@
+"""Multi-rank test harness: fork N gloo ranks once, run many cases inside, return per-rank results.
+
+Forking (not spawning) costs ~0.1 s instead of ~7 s for 8 ranks; the rendezvous is a file:// store in
+a temporary directory (no ports), and every collective is bounded by the process-group timeout.
+A rank that raises sends its traceback to the parent, which raises it; a rank that hangs is killed
+after `timeout` seconds. Case functions should return measurements (errors, norms) rather than
+assert, so one bad case never leaves the other ranks stuck in a collective.
+"""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing as mp
+import os
+import queue
+import tempfile
+import traceback
+
+import torch
+
+# The first optimizer built in a process lazily imports torch._dynamo (~1 s per rank); pay it once.
+import torch._dynamo  # noqa: F401
+import torch.distributed as dist
+
+
+def _child(rank, world_size, init_file, fn, args, q, backend, pg_timeout):
+    try:
+        torch.set_num_threads(1)
+        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+        dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(seconds=pg_timeout))
+        result = fn(rank, world_size, *args)
+        dist.barrier()
+        dist.destroy_process_group()
+        q.put((rank, "ok", result))
+    except BaseException:  # noqa: BLE001 - report everything to the parent
+        q.put((rank, "error", traceback.format_exc()))
+
+
+def run_ranks(world_size: int, fn, *args, timeout: float = 600.0, backend: str = "gloo",
+              pg_timeout: float = 120.0) -> list:
+    """Run fn(rank, world_size, *args) on `world_size` forked ranks; return results by rank."""
+    ctx = mp.get_context("fork")
+    q = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        init_file = os.path.join(tmp, "rendezvous")
+        procs = [ctx.Process(target=_child, args=(r, world_size, init_file, fn, args, q, backend, pg_timeout))
+                 for r in range(world_size)]
+        for p in procs:
+            p.start()
+        results, errors = [None] * world_size, []
+        try:
+            for _ in range(world_size):
+                rank, status, payload = q.get(timeout=timeout)
+                if status == "ok":
+                    results[rank] = payload
+                else:
+                    errors.append(f"rank {rank}:\n{payload}")
+                    break
+        except queue.Empty:
+            errors.append(f"timed out after {timeout:.0f} s waiting for ranks")
+        finally:
+            for p in procs:
+                p.join(timeout=5 if not errors else 0.5)
+                if p.is_alive():
+                    p.kill()
+                    p.join()
+        if errors:
+            raise RuntimeError("distributed run failed:\n" + "\n".join(errors))
+    return results

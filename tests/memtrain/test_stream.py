@@ -1,0 +1,151 @@
+"""The packed stream: determinism, independence from model and grid, manifest correctness, Goldfish fit."""
+
+import inspect
+import json
+import os
+import sysconfig
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+
+from memtrain.data import CanaryConfig, DataConfig, build_stream, locate  # noqa: E402
+from memtrain.losses import IGNORE_INDEX, LossConfig, keep_mask  # noqa: E402
+
+CANARIES = CanaryConfig(number=4, copies=[1, 2, 3, 5], length=24)
+
+
+@pytest.fixture(scope="module")
+def corpus_dir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("corpus")
+    files = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))
+    for p in files[::4][:40]:
+        (root / f"{p.stem}.txt").write_text(p.read_text("utf-8")[:8000])
+    return root
+
+
+@pytest.fixture(scope="module")
+def data_cfg(corpus_dir, tmp_path_factory):
+    return DataConfig(corpus=str(corpus_dir), vocab_size=512, seq_len=128, val_fraction=0.1,
+                      cache_dir=str(tmp_path_factory.mktemp("cache")))
+
+
+@pytest.fixture(scope="module")
+def stream(data_cfg):
+    return build_stream(data_cfg, CANARIES, seed=0)
+
+
+def test_same_seed_is_byte_identical_even_from_scratch(stream, data_cfg, tmp_path):
+    fresh = build_stream(replace(data_cfg, cache_dir=str(tmp_path)), CANARIES, seed=0)  # retrains the BPE too
+    assert fresh.tokens.tobytes() == stream.tokens.tobytes()
+    assert [c.to_dict() for c in fresh.canaries] == [c.to_dict() for c in stream.canaries]
+    assert fresh.val_texts == stream.val_texts
+    cached = build_stream(data_cfg, CANARIES, seed=0)
+    assert cached.tokens.tobytes() == stream.tokens.tobytes()
+    assert [c.to_dict() for c in cached.canaries] == [c.to_dict() for c in stream.canaries]
+
+
+def test_different_seed_changes_order_and_placement_not_content(stream, data_cfg):
+    other = build_stream(data_cfg, CANARIES, seed=1)
+    assert other.tokens.tobytes() != stream.tokens.tobytes()
+    assert [c.placements for c in other.canaries] != [c.placements for c in stream.canaries]
+    assert [c.token_ids for c in other.canaries] == [c.token_ids for c in stream.canaries]
+    assert sorted(other.tokens.tolist()) == sorted(stream.tokens.tolist())  # same text, other order
+    assert other.val_texts == stream.val_texts
+
+
+def test_nothing_about_model_or_grid_enters_the_stream(stream):
+    assert list(inspect.signature(build_stream).parameters) == ["data_cfg", "canary_cfg", "seed"]
+    # Rows are the same whatever the batch size; the grid only changes step/rank labels in the manifest.
+    rows = lambda B: torch.cat([stream.batch(s, B)["input_ids"] for s in range(stream.num_steps(B))])  # noqa: E731
+    whole = rows(6)
+    assert torch.equal(whole, rows(8))
+    assert len(whole) == len(stream)
+    where = lambda m: [[(p["seq_index"], p["offset"]) for p in c["placements"]] for c in m]  # noqa: E731
+    assert where(stream.manifest(8, 1)) == where(stream.manifest(16, 4)) == where(stream.manifest(6, 3))
+
+
+def test_batches_are_next_token_pairs_with_document_positions(stream):
+    S = stream.seq_len
+    for step in (0, stream.num_steps(8) - 1):  # the last batch is short and padded at the end
+        b = stream.batch(step, 8)
+        x, y, pos = b["input_ids"], b["labels"], b["doc_pos"]
+        assert x.dtype == y.dtype == pos.dtype == torch.long and x.shape[1] == S
+        sup = y != IGNORE_INDEX
+        assert torch.equal(y[:, :-1][sup[:, :-1]], x[:, 1:][sup[:, :-1]])
+        for r in range(len(x)):
+            i = int(b["seq_index"][r])
+            nxt = stream.tokens[(i + 1) * S]
+            assert y[r, -1] == (nxt if nxt >= 0 else IGNORE_INDEX)
+        # doc_pos: 0 right after an EOS input, otherwise one more than the previous target's
+        after_eos = x[:, 1:] == stream.eos_id
+        assert (pos[:, 1:][after_eos] == 0).all()
+        cont = ~after_eos & sup[:, 1:] & sup[:, :-1]
+        assert torch.equal(pos[:, 1:][cont], pos[:, :-1][cont] + 1)
+    last = stream.batch(stream.num_steps(8) - 1, 8)["labels"]
+    assert (last[-1] == IGNORE_INDEX).any()  # padding exists and is never supervised
+
+
+def test_every_manifest_entry_points_at_its_canary(stream, tmp_path):
+    path = stream.write_manifest(tmp_path, batch_size=8, data_shards=2)
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    assert len(records) == len(stream.canaries) == 8
+    for rec in records:
+        ids = rec["token_ids"]
+        L = len(ids)
+        for p in rec["placements"]:
+            row = stream.rows(p["seq_index"], p["seq_index"] + 1)
+            o = p["offset"]
+            assert row["input_ids"][0, o:o + L].tolist() == ids
+            assert row["input_ids"][0, o - 1] == stream.eos_id
+            assert row["labels"][0, o - 1:o - 1 + L].tolist() == ids  # every canary token is a target
+            assert row["labels"][0, o - 1 + L] == stream.eos_id
+            assert row["doc_pos"][0, o - 1:o - 1 + L].tolist() == list(range(L))
+            assert (p["step"], p["dp_rank"]) == locate(p["seq_index"], 8, 2)
+            b = stream.batch(p["step"], 8)["input_ids"]
+            shard = b[p["dp_rank"] * 4:(p["dp_rank"] + 1) * 4]
+            assert any(r[o:o + L].tolist() == ids for r in shard)
+
+
+def test_locate_and_its_errors():
+    assert locate(0, 8, 2) == (0, 0)
+    assert locate(13, 8, 2) == (1, 1)
+    assert locate(11, 8, 4) == (1, 1)
+    with pytest.raises(ValueError, match="multiple of data_shards"):
+        locate(3, 6, 4)
+
+
+def test_goldfish_mask_is_identical_on_every_copy(stream):
+    cfg = LossConfig(kind="goldfish", k=3, h=4)
+    multi = [c for c in stream.canaries if c.copies > 1]
+    assert multi
+    for c in multi:
+        L = len(c.token_ids)
+        masks = []
+        for p in c.placements:
+            row = stream.batch(p.seq_index, 1)
+            keep = keep_mask(row["labels"], row["doc_pos"], cfg)[0, p.offset - 1:p.offset - 1 + L]
+            masks.append(keep)
+        assert all(torch.equal(m, masks[0]) for m in masks)
+        assert masks[0][:cfg.h].all()
+
+
+def test_copies_spread_through_the_pass(data_cfg):
+    s = build_stream(data_cfg, CanaryConfig(kinds=["random"], number=2, copies=[10], random_format="tokens",
+                                            length=8, placement="start"), seed=3)
+    rows = sorted(p.seq_index for c in s.canaries for p in c.placements)
+    assert len(set(rows)) == 20
+    strata = np.arange(21) * len(s) // 20
+    assert all(lo <= r < hi for r, lo, hi in zip(rows, strata[:-1], strata[1:]))
+    assert {p.offset for c in s.canaries for p in c.placements} == {1}
+
+
+def test_no_canaries_is_plain_text(data_cfg):
+    s = build_stream(data_cfg, None, seed=0)
+    assert s.canaries == [] and s.meta["canary_copies"] == 0
+    assert s.vocab_size == 512

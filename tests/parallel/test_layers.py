@@ -1,0 +1,170 @@
+"""Layer parity on 8 gloo ranks: parallel.Linear / Embedding / LMHead vs torch on one process.
+
+Tolerance: fp32, relative to the largest reference magnitude, 1e-5. The sharded layers compute the
+same dot products as torch but sum partial products in another order (per-shard matmuls, then a
+reduction over the group); with at most 96 terms per dot product the rounding difference stays near
+1e-7 relative (measured ~1e-7), so 1e-5 leaves margin without hiding a wrong shard (which gives O(1)).
+Every rank returns measured errors and the parent asserts, so one bad case cannot hang the others.
+"""
+
+from contextlib import nullcontext
+
+import pytest
+import torch
+from harness import run_ranks
+
+import parallel
+from parallel.sharding import full_normal
+
+GRIDS = [(8, 1, 1, 1), (1, 8, 1, 1), (1, 1, 8, 1), (1, 1, 1, 8), (2, 2, 2, 1), (1, 2, 2, 2), (2, 1, 2, 2),
+         (2, 2, 1, 2)]
+MODES = ("easy", "sharded")
+TOL = 1e-5
+IN, OUT, N = 64, 96, 32
+VOCAB, HID = 128, 32
+
+
+def _gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+def _rel(a, b):
+    return float((a.detach() - b.detach()).abs().max() / b.detach().abs().max().clamp_min(1e-30))
+
+
+def local_rows(grid, mode, n):
+    """Rows of the global batch this rank holds: all ranks split it (easy), or data x Z (sharded)."""
+    if mode == "easy":
+        k = n // grid.world_size
+        return slice(grid.rank * k, (grid.rank + 1) * k)
+    k = n // grid.size(("z", "data"))
+    i = grid.coord(("z", "data"))
+    return slice(i * k, (i + 1) * k)
+
+
+def local_cols(grid, mode, axis, features):
+    if mode == "easy":
+        return slice(None)
+    k = features // grid.size(axis)
+    i = grid.coord(axis)
+    return slice(i * k, (i + 1) * k)
+
+
+def _linear_case(grid, mode, transpose, bias, overlap_on):
+    lin = parallel.Linear(IN, OUT, bias=bias, transpose=transpose, mode=mode, grid=grid, seed=3, name="fc")
+    ref = torch.nn.Linear(IN, OUT, bias=bias)
+    with torch.no_grad():
+        ref.weight.copy_(full_normal(OUT, IN, 0.02, 3, "fc"))
+        if bias:
+            ref.bias.copy_(torch.randn(OUT, generator=_gen(7)))
+            lin.load_full(ref.weight, ref.bias)
+    X, G = torch.randn(N, IN, generator=_gen(5)), torch.randn(N, OUT, generator=_gen(6))
+    xr = X.clone().requires_grad_()
+    (ref(xr) * G).sum().backward()
+    rows = local_rows(grid, mode, N)
+    cin, cout = local_cols(grid, mode, lin.in_axis, IN), local_cols(grid, mode, lin.out_axis, OUT)
+    for _ in range(2 if overlap_on else 1):  # the second pass uses the recorded prefetch order
+        lin.zero_grad(set_to_none=True)
+        x = X[rows, cin].clone().requires_grad_()
+        with parallel.overlap(lin) if overlap_on else nullcontext():
+            y = lin(x)
+            (y * G[rows, cout]).sum().backward()
+        parallel.sync_gradients(lin, grid)
+    out = {
+        "output": _rel(y, ref(X)[rows, cout]),
+        "input_grad": _rel(x.grad, xr.grad[rows, cin]),
+        "weight_grad": _rel(lin.layout.gather_full(lin.weight.grad, grid), ref.weight.grad),
+    }
+    if bias:
+        out["bias_grad"] = _rel(parallel.comm.all_gather(lin.bias.grad, grid, lin.out_axis), ref.bias.grad)
+    return out
+
+
+def _embedding_case(grid, mode):
+    emb = parallel.Embedding(VOCAB, HID, mode=mode, grid=grid, seed=4, name="emb")
+    ref = torch.nn.Embedding(VOCAB, HID)
+    with torch.no_grad():
+        ref.weight.copy_(full_normal(VOCAB, HID, 0.02, 4, "emb"))
+    ids = torch.randint(0, VOCAB, (N,), generator=_gen(8))
+    G = torch.randn(N, HID, generator=_gen(9))
+    (ref(ids) * G).sum().backward()
+    rows, cols = local_rows(grid, mode, N), local_cols(grid, mode, "x", HID)
+    y = emb(ids[rows])
+    (y * G[rows, cols]).sum().backward()
+    parallel.sync_gradients(emb, grid)
+    return {"output": _rel(y, ref(ids)[rows, cols]),
+            "weight_grad": _rel(emb.layout.gather_full(emb.weight.grad, grid), ref.weight.grad)}
+
+
+def _lm_head_case(grid, mode, tied):
+    emb = parallel.Embedding(VOCAB, HID, mode=mode, grid=grid, seed=4, name="emb")
+    head = parallel.LMHead(HID, VOCAB, tie_to=emb if tied else None, mode=mode, grid=grid, seed=5, name="head")
+    w = full_normal(VOCAB, HID, 0.02, 4 if tied else 5, "emb" if tied else "head").requires_grad_()
+    H = torch.randn(N, HID, generator=_gen(10))
+    labels = torch.randint(0, VOCAB, (N,), generator=_gen(11))
+    labels[::5] = -100
+    hr = H.clone().requires_grad_()
+    ref_loss = torch.nn.functional.cross_entropy(hr @ w.t(), labels, reduction="none")
+    ref_loss.sum().backward()
+    rows, cols = local_rows(grid, mode, N), local_cols(grid, mode, "x", HID)
+    h = H[rows, cols].clone().requires_grad_()
+    loss = head.loss(h, labels[rows])
+    loss.sum().backward()
+    parallel.sync_gradients(head, grid)
+    return {"loss": _rel(loss, ref_loss[rows]), "hidden_grad": _rel(h.grad, hr.grad[rows, cols]),
+            "weight_grad": _rel(head.layout.gather_full(head.weight.grad, grid), w.grad)}
+
+
+def _worker(rank, world):
+    results = {}
+    for degrees in GRIDS:
+        grid = parallel.Grid(*degrees, rank=rank)
+        grid.build_groups()
+        for mode in MODES:
+            for transpose in (False, True):
+                for bias in (False, True):
+                    for ov in (False, True):
+                        results[("linear", degrees, mode, transpose, bias, ov)] = _linear_case(
+                            grid, mode, transpose, bias, ov)
+            results[("embedding", degrees, mode)] = _embedding_case(grid, mode)
+            for tied in (False, True):
+                results[("lm_head", degrees, mode, tied)] = _lm_head_case(grid, mode, tied)
+    return results
+
+
+@pytest.fixture(scope="module")
+def results():
+    per_rank = run_ranks(8, _worker)
+    merged = {}
+    for r in per_rank:
+        for case, errors in r.items():
+            slot = merged.setdefault(case, {})
+            for k, v in errors.items():
+                slot[k] = max(slot.get(k, 0.0), v)
+    return merged
+
+
+@pytest.mark.parametrize("ov", [False, True], ids=["sync", "overlap"])
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+@pytest.mark.parametrize("transpose", [False, True], ids=["normal", "transposed"])
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("degrees", GRIDS, ids=lambda g: "d{}x{}y{}z{}".format(*g))
+def test_linear_matches_torch(results, degrees, mode, transpose, bias, ov):
+    errors = results[("linear", degrees, mode, transpose, bias, ov)]
+    assert set(errors) >= {"output", "input_grad", "weight_grad"}
+    assert max(errors.values()) < TOL, errors
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("degrees", GRIDS, ids=lambda g: "d{}x{}y{}z{}".format(*g))
+def test_embedding_matches_torch(results, degrees, mode):
+    errors = results[("embedding", degrees, mode)]
+    assert max(errors.values()) < TOL, errors
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("degrees", GRIDS, ids=lambda g: "d{}x{}y{}z{}".format(*g))
+def test_lm_head_loss_matches_torch(results, degrees, mode, tied):
+    errors = results[("lm_head", degrees, mode, tied)]
+    assert max(errors.values()) < TOL, errors
