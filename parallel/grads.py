@@ -13,12 +13,27 @@ from collections import defaultdict
 from contextlib import contextmanager
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from . import comm
 from .grid import Grid
 from .sharding import spec_of
 
 _SYNC_ENABLED = True
+
+# One persistent flat buffer per bucket, keyed by the bucket's first parameter: a fresh torch.cat of a
+# large bucket is a fresh allocation (mmap'ed, page-faulted and zeroed by the kernel every step), which
+# costs ~10x the copy itself on CPU.
+_FLAT_BUFFERS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def _flat_buffer(params: list, grads: list[torch.Tensor]) -> torch.Tensor:
+    sig = (tuple(id(p) for p in params), tuple(g.numel() for g in grads), grads[0].dtype, grads[0].device)
+    hit = _FLAT_BUFFERS.get(params[0])
+    if hit is None or hit[0] != sig:
+        hit = (sig, torch.empty(sum(sig[1]), dtype=grads[0].dtype, device=grads[0].device))
+        _FLAT_BUFFERS[params[0]] = hit
+    return hit[1]
 
 
 @contextmanager
@@ -43,7 +58,7 @@ def sync_gradients(model_or_params, grid: Grid) -> None:
     """All-reduce (sum) gradients, one flat bucket per distinct set of reduce axes and dtype."""
     if not _SYNC_ENABLED:
         return
-    buckets: dict[tuple, list[torch.Tensor]] = defaultdict(list)
+    buckets: dict[tuple, list[torch.nn.Parameter]] = defaultdict(list)
     seen = set()
     for p in _params(model_or_params):
         if p.grad is None or id(p) in seen:
@@ -51,9 +66,10 @@ def sync_gradients(model_or_params, grid: Grid) -> None:
         seen.add(id(p))
         axes = tuple(a for a in spec_of(p).reduce_axes if grid.size(a) > 1)
         if axes:
-            buckets[(axes, p.grad.dtype)].append(p.grad)
-    for (axes, _), grads in buckets.items():
-        flat = torch.cat([g.reshape(-1) for g in grads])
+            buckets[(axes, p.grad.dtype)].append(p)
+    for (axes, _), params in buckets.items():
+        grads = [p.grad for p in params]
+        flat = torch.cat([g.reshape(-1) for g in grads], out=_flat_buffer(params, grads))
         comm.all_reduce(flat, grid, axes)
         offset = 0
         for g in grads:

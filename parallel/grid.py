@@ -228,6 +228,10 @@ def init(data: int = -1, x: int = 1, y: int = 1, z: int = 1, *, backend: str | N
 
 def shutdown() -> None:
     global _GRID
+    if _GRID is not None:
+        # Layers keep the grid; a process group still referenced after destroy_process_group is freed at
+        # interpreter exit, where gloo aborts ("terminate called without an active exception") at random.
+        _GRID._groups.clear()
     _GRID = None
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -141,3 +141,22 @@ def full_normal(rows: int, cols: int, std: float, seed: int, name: str) -> torch
     """The full matrix `seeded_normal_shard` cuts from: for single-process references and tests."""
     layout = BlockLayout(rows, cols, "y", "x")
     return layout.seeded_normal_shard(Grid(1, 1, 1, 1), std, seed, name).view(rows, cols)
+
+
+def seeded_normal_rows(rows, cols: int, col_start: int, col_end: int, std: float, seed: int,
+                       name: str) -> torch.Tensor:
+    """Rows `rows` (any order), columns [col_start, col_end) of the matrix `seeded_normal_shard` cuts from.
+
+    For layers whose shard gathers rows that are not contiguous in the full matrix (a fused projection
+    reordered per head group): each tile is generated once, whatever the order of the requested rows.
+    """
+    rows = torch.as_tensor(rows, dtype=torch.long).reshape(-1)
+    out = torch.empty(len(rows), col_end - col_start, dtype=torch.float32)
+    key = _name_key(seed, name)
+    tiles = rows // TILE_ROWS
+    for tile in torch.unique(tiles).tolist():
+        g = torch.Generator().manual_seed(_mix(key, tile))
+        values = torch.randn(TILE_ROWS, cols, generator=g)
+        pick = (tiles == tile).nonzero().squeeze(1)
+        out[pick] = values[rows[pick] - tile * TILE_ROWS, col_start:col_end]
+    return out * std

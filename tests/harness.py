@@ -12,6 +12,7 @@ from __future__ import annotations
 import datetime
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import tempfile
 import traceback
@@ -32,7 +33,9 @@ def _child(rank, world_size, init_file, fn, args, q, backend, pg_timeout):
         result = fn(rank, world_size, *args)
         dist.barrier()
         dist.destroy_process_group()
-        q.put((rank, "ok", result))
+        # Plain pickle: tensors travel by value (torch's queue reducer would share memory with a
+        # process that is about to exit).
+        q.put((rank, "ok", pickle.dumps(result)))
     except BaseException:  # noqa: BLE001 - report everything to the parent
         q.put((rank, "error", traceback.format_exc()))
 
@@ -53,7 +56,7 @@ def run_ranks(world_size: int, fn, *args, timeout: float = 600.0, backend: str =
             for _ in range(world_size):
                 rank, status, payload = q.get(timeout=timeout)
                 if status == "ok":
-                    results[rank] = payload
+                    results[rank] = pickle.loads(payload)
                 else:
                     errors.append(f"rank {rank}:\n{payload}")
                     break

@@ -1,0 +1,105 @@
+"""The `memtrain` command: train, eval, sweep, plot, models, config, demo.
+
+Bad input ends with one line `memtrain: error: ...` naming the value and the fix, and exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # no hub on most research clusters' compute nodes
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def _train(args) -> None:
+    from memtrain import config as config_mod
+    from memtrain.train import evaluate_after, train
+
+    cfg = config_mod.load(args.config, args.set)
+    out = Path(args.out or Path("runs") / Path(cfg.model.name).name)
+    summary = train(cfg, out, resume=args.resume)
+    if cfg.eval.enabled:
+        evaluate_after(cfg, summary)
+    summary["tracker"].finish()
+    import parallel
+
+    if summary["grid"].rank == 0:
+        print(f"run directory: {out}")
+    parallel.shutdown()
+
+
+def _eval(args) -> None:
+    from memtrain.train import evaluate_run
+
+    result = evaluate_run(Path(args.run), args.checkpoint)
+    keys = ("exact_match_rate", "token_match", "rougeL", "pythia_32_score", "exposure_mean", "mia_auc_loss",
+            "val_loss")
+    print(" ".join(f"{k}={result[k]:.4g}" if isinstance(result[k], float) else f"{k}={result[k]}" for k in keys))
+
+
+def _models(args) -> None:
+    from memtrain.models import list_models
+
+    for name in list_models():
+        print(name)
+
+
+def _config(args) -> None:
+    from memtrain.config import describe
+
+    print(describe())
+
+
+def _sweep(argv) -> None:
+    from experiments.sweep import main
+
+    main(argv)
+
+
+def _plot(argv) -> None:
+    from experiments.report import main
+
+    main(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in ("sweep", "plot"):
+        return _run(lambda: (_sweep if argv[0] == "sweep" else _plot)(argv[1:]))
+    if argv and argv[0] == "demo":
+        return _run(lambda: _sweep(["quick", *argv[1:]]))
+    parser = argparse.ArgumentParser(prog="memtrain", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    t = sub.add_parser("train", help="train one run (single process, torchrun or srun)")
+    t.add_argument("--config", help="TOML recipe (sections: see `memtrain config`)")
+    t.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override a key")
+    t.add_argument("--out", help="run directory (default runs/<model>)")
+    t.add_argument("--resume", action="store_true", help="continue from the run directory's latest checkpoint")
+    t.set_defaults(fn=_train)
+    e = sub.add_parser("eval", help="re-run memorization evaluation of a finished run")
+    e.add_argument("--run", required=True, help="run directory written by `memtrain train`")
+    e.add_argument("--checkpoint", help="checkpoint directory (default: the run's latest)")
+    e.set_defaults(fn=_eval)
+    sub.add_parser("models", help="list model names").set_defaults(fn=_models)
+    sub.add_parser("config", help="every config key with its default and meaning").set_defaults(fn=_config)
+    sub.add_parser("sweep", help="run a memorization sweep: memtrain sweep SPEC [--set ...] [--resume]")
+    sub.add_parser("plot", help="figures and report.md from runs/<sweep>/results.jsonl")
+    sub.add_parser("demo", help="the quick memorization sweep (same as `memtrain sweep quick`)")
+    args = parser.parse_args(argv)
+    return _run(lambda: args.fn(args))
+
+
+def _run(fn) -> None:
+    try:
+        fn()
+    except (ValueError, FileNotFoundError, KeyError) as e:
+        msg = str(e).strip("'\"") or type(e).__name__
+        print(f"memtrain: error: {msg}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

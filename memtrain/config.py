@@ -1,0 +1,252 @@
+"""Run configuration: typed dataclass sections, TOML recipes, `--set section.key=value` overrides.
+
+Each field carries an attribute docstring (the string literal under it); `describe()` reads them
+back from the source, so the CLI help and the docs can never drift from the code.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import difflib
+import inspect
+import json
+import sys
+import textwrap
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from memtrain.data.config import CanaryConfig, DataConfig
+from memtrain.losses import LossConfig
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+
+@dataclass
+class ModelConfig:
+    name: str = "ladder-1m"
+    """A ladder or paper-shape name (see `memtrain models`), a local HF directory, or a hub id."""
+    init: str | None = None
+    """Start from these weights: a memtrain checkpoint directory or an HF directory (fine-tuning).
+    None trains from the seeded initialization."""
+    trust_remote_code: bool = False
+    """Allow custom model code from a hub repository (off: only architectures transformers ships)."""
+
+
+@dataclass
+class ParallelConfig:
+    data: int = -1
+    """Data-parallel degree (-1: whatever the world size leaves after x, y, z)."""
+    x: int = 1
+    """Tensor-parallel degree over in-features of normal layers (neighbouring ranks)."""
+    y: int = 1
+    """Tensor-parallel degree over out-features of normal layers and attention heads."""
+    z: int = 1
+    """Depth degree: weight blocks split further, FSDP-like; the batch is split over data and z."""
+    mode: str = "auto"
+    """'sharded' (activations stay sharded; Llama, GPT-NeoX, GPT-2), 'easy' (any model), 'auto'."""
+    backend: str | None = None
+    """torch.distributed backend; None picks nccl with CUDA, else gloo."""
+    overlap: bool = True
+    """Overlap communication with computation (all-reduce, reduce-scatter, all-gather prefetch)."""
+
+
+@dataclass
+class TrainConfig:
+    seed: int = 0
+    """Seeds data order, canaries placement, initialization: the same for every model size and grid."""
+    batch_size: int = 16
+    """Global batch in sequences; no grid changes it (split over data and z)."""
+    micro_batch_size: int | None = None
+    """Sequences per rank per forward/backward; smaller than the rank's share = gradient accumulation."""
+    epochs: int = 1
+    """Passes over the stream (1 = the single-pass study)."""
+    max_steps: int | None = None
+    """Stop after this many optimizer steps (smoke runs); None runs every step of every epoch."""
+    lr: float = 1e-3
+    """Peak learning rate of AdamW."""
+    min_lr: float = 1e-4
+    """Learning rate at the end of the cosine decay."""
+    warmup_steps: int = 10
+    """Linear warm-up steps before the cosine decay."""
+    weight_decay: float = 0.1
+    """AdamW weight decay on matrices (not on norms, biases)."""
+    beta1: float = 0.9
+    """AdamW beta1."""
+    beta2: float = 0.95
+    """AdamW beta2."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this value (0 disables)."""
+    precision: str = "auto"
+    """'fp32', 'bf16' (autocast) or 'auto' (bf16 on CUDA, fp32 on CPU)."""
+    activation_checkpointing: bool = False
+    """Recompute each block's activations in backward to save memory."""
+    deterministic: bool = False
+    """Ask torch for deterministic kernels (slower on GPUs)."""
+    log_every: int = 1
+    """Write a metrics.jsonl line every this many steps."""
+    checkpoint_every: int = 0
+    """Save a checkpoint every this many steps (0: only the final one)."""
+
+
+@dataclass
+class EvalConfig:
+    enabled: bool = True
+    """Evaluate memorization at the end of training."""
+    suffix_len: int = 50
+    """Tokens to extract: prefix = canary minus its last suffix_len tokens (Carlini/Goldfish: 50)."""
+    batch_size: int = 64
+    """Sequences per decoding batch."""
+    exposure_samples: int = 2000
+    """Candidates sampled per random canary for exposure when the space is too large to enumerate."""
+    val_docs: int = 64
+    """Held-out documents for validation loss."""
+
+
+@dataclass
+class WandbConfig:
+    mode: str = "auto"
+    """'online', 'offline', 'disabled', or 'auto' (online with credentials, else offline)."""
+    project: str = "memtrain"
+    """W&B project."""
+    group: str | None = None
+    """W&B group (a sweep's name)."""
+    name: str | None = None
+    """W&B run name (default: the run directory's name)."""
+
+
+@dataclass
+class RunConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    canaries: CanaryConfig = field(default_factory=CanaryConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def digest(self) -> str:
+        import hashlib
+
+        return hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _section_classes() -> dict[str, type]:
+    return {f.name: type(getattr(RunConfig(), f.name)) for f in dataclasses.fields(RunConfig)}
+
+
+def _closest(word: str, options) -> str:
+    near = difflib.get_close_matches(word, list(options), n=1)
+    return f" (did you mean {near[0]!r}?)" if near else ""
+
+
+def _build(section: str, cls: type, values: dict):
+    names = {f.name for f in dataclasses.fields(cls)}
+    for key in values:
+        if key not in names:
+            raise ValueError(f"unknown config key {section}.{key}{_closest(key, names)}")
+    return cls(**values)
+
+
+def from_dict(raw: dict) -> RunConfig:
+    classes = _section_classes()
+    sections = {}
+    for name, values in raw.items():
+        if name not in classes:
+            raise ValueError(f"unknown config section [{name}]{_closest(name, classes)}")
+        if not isinstance(values, dict):
+            raise ValueError(f"config section [{name}] must be a table of keys, got {values!r}")
+        sections[name] = _build(name, classes[name], values)
+    return RunConfig(**sections)
+
+
+def _parse_value(text: str):
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text  # a bare string
+
+
+def apply_overrides(raw: dict, overrides: list[str]) -> dict:
+    """Apply 'section.key=value' strings (values in TOML syntax, bare strings allowed) to a raw dict."""
+    classes = _section_classes()
+    for item in overrides:
+        if "=" not in item or "." not in item.split("=", 1)[0]:
+            raise ValueError(f"--set {item!r} is malformed: use section.key=value, e.g. train.seed=1")
+        path, value = item.split("=", 1)
+        section, key = path.strip().split(".", 1)
+        if section not in classes:
+            raise ValueError(f"unknown config section {section!r} in --set {item!r}{_closest(section, classes)}")
+        names = {f.name for f in dataclasses.fields(classes[section])}
+        if key not in names:
+            raise ValueError(f"unknown config key {section}.{key}{_closest(key, names)}")
+        raw.setdefault(section, {})[key] = _parse_value(value.strip())
+    return raw
+
+
+def load(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
+    raw: dict = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"config file {str(path)!r} not found: pass an existing TOML file")
+        try:
+            raw = tomllib.loads(path.read_text())
+        except tomllib.TOMLDecodeError as e:
+            raise ValueError(f"config file {str(path)!r} is not valid TOML: {e}") from None
+    return from_dict(apply_overrides(raw, overrides or []))
+
+
+def _toml_value(v) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, (list, tuple)):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    return json.dumps(str(v))
+
+
+def to_toml(cfg: RunConfig) -> str:
+    """The resolved config as TOML (None fields are left out: absent means default None)."""
+    lines = []
+    for section, values in cfg.to_dict().items():
+        lines.append(f"[{section}]")
+        lines += [f"{k} = {_toml_value(v)}" for k, v in values.items() if v is not None]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """Attribute docstrings of a dataclass, read from its source."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    body = tree.body[0].body
+    docs = {}
+    for node, nxt in zip(body, body[1:]):
+        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(nxt, ast.Expr)
+                and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str)):
+            docs[node.target.id] = " ".join(nxt.value.value.split())
+    return docs
+
+
+def describe() -> str:
+    """Every config key with its default and docstring, for `memtrain config`."""
+    out = []
+    defaults = RunConfig()
+    for section, cls in _section_classes().items():
+        out.append(f"[{section}]")
+        docs = field_docs(cls)
+        for f in dataclasses.fields(cls):
+            value = getattr(getattr(defaults, section), f.name)
+            out.append(f"  {f.name} = {value!r}")
+            if f.name in docs:
+                out.append(textwrap.fill(docs[f.name], 100, initial_indent="      ", subsequent_indent="      "))
+        out.append("")
+    return "\n".join(out)

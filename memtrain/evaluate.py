@@ -1,0 +1,153 @@
+"""Evaluate a trained run's memorization of its canaries: extraction, exposure, MIA, validation loss.
+
+Each canary is scored as the model saw it in training, i.e. preceded by the EOS that opens it; its
+held-out twin is scored the same way as the non-member control. Evaluation runs on global rank 0
+with the full (gathered) model on one process. Results: eval.json (aggregates, also split by copies)
+and eval_canaries.jsonl (one row per canary and twin, with the generated text).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+
+import eval as ev
+from memtrain.data.canaries import render_secret
+
+
+def _eval_canaries(canaries, eos: int, copies_seen: dict[str, int]) -> list[ev.Canary]:
+    out = []
+    for c in canaries:
+        seen = copies_seen.get(c.id, c.copies)
+        out.append(ev.Canary(tokens=[eos, *c.token_ids], id=c.id, kind=c.kind, copies=seen, inserted=True,
+                             text=c.text))
+        out.append(ev.Canary(tokens=[eos, *c.twin_token_ids], id=c.id + "-twin", kind=c.kind, copies=seen,
+                             inserted=False, text=c.twin_text))
+    return out
+
+
+def copies_seen(stream, batch_size: int, steps: int) -> dict[str, int]:
+    """Copies of each canary that training actually reached (max_steps may stop before some)."""
+    per_epoch = len(stream) // batch_size
+    out = {}
+    for c in stream.canaries:
+        out[c.id] = sum(1 for s in range(steps) for p in c.placements
+                        if p.seq_index // batch_size == s % per_epoch and p.seq_index < per_epoch * batch_size)
+    return out
+
+
+def _candidates(c, tok):
+    """(candidates_fn, |R|) over alternative secrets with the canary's own context (name) fixed."""
+    space = c.candidate_space
+    if c.format == "secret":
+        n_digits = round(math.log10(space["size"]))
+        groups = n_digits // 4
+        name = space["slots"]["name"]
+
+        def fn(indices):
+            out = []
+            for i in indices:
+                d = str(i).zfill(n_digits)
+                secret = "-".join(d[g * 4:g * 4 + 4] for g in range(groups))
+                out.append(tok(render_secret(name, secret), add_special_tokens=False)["input_ids"])
+            return out
+
+        return fn, space["size"]
+    if c.format == "tokens":
+        special = set(tok.all_special_ids)
+        alphabet = [i for i in range(len(tok)) if i not in special]
+        slots = ev.SlotSpace(len(c.token_ids), alphabet)
+
+        def fn(indices):
+            return slots.render(indices)
+
+        return fn, slots.size
+    return None, None
+
+
+def _exposures(model, stream, cfg) -> list[dict]:
+    rows = []
+    for c in stream.canaries:
+        if c.kind != "random":
+            continue
+        fn, size = _candidates(c, stream.tokenizer)
+        if fn is None:
+            continue
+        for tokens, member in ((c.token_ids, True), (c.twin_token_ids, False)):
+            # Scored after the EOS that opens every canary copy, as in training.
+            r = ev.exposure(model, [stream.eos_id], fn, size, true_tokens=list(tokens),
+                            n_samples=cfg.eval.exposure_samples, batch_size=cfg.eval.batch_size, seed=0)
+            rows.append({"id": c.id if member else c.id + "-twin", "inserted": member, "copies": c.copies,
+                         "exposure": r.exposure, "exposure_method": r.method})
+    return rows
+
+
+def _mean(values):
+    values = [v for v in values if v is not None]
+    return float(np.mean(values)) if values else None
+
+
+def evaluate(model, stream, cfg, run_dir: Path, steps: int) -> dict:
+    """Score `model` (an HF causal LM on one process) on the stream's canaries; write the results."""
+    model.eval()
+    seen = copies_seen(stream, cfg.train.batch_size, steps)
+    canaries = _eval_canaries(stream.canaries, stream.eos_id, seen)
+    with torch.inference_mode():
+        ext = ev.extraction_eval(model, canaries, suffix_len=cfg.eval.suffix_len, batch_size=cfg.eval.batch_size)
+        mia = ev.mia_eval(model, canaries, batch_size=cfg.eval.batch_size)
+        expo = _exposures(model, stream, cfg)
+        tok = stream.tokenizer
+        val = [[stream.eos_id, *tok(t, add_special_tokens=False)["input_ids"]][:stream.seq_len + 1]
+               for t in stream.val_texts[:cfg.eval.val_docs]]
+        val_loss = ev.validation_loss(model, val, batch_size=cfg.eval.batch_size) if val else None
+
+    mia_rows = {r["id"]: r for r in mia["rows"]}
+    expo_rows = {r["id"]: r for r in expo}
+    rows = []
+    for c, r in zip(canaries, ext.rows):
+        row = dict(r, **{k: v for k, v in mia_rows.get(c.id, {}).items() if k not in r})
+        row["exposure"] = expo_rows.get(c.id, {}).get("exposure")
+        row["generated_text"] = tok.decode(r["generated"]) if r["generated"] else None
+        rows.append(row)
+
+    def summary(sel):
+        members = [r for r in sel if r["inserted"]]
+        done = [r for r in members if r["exact_match"] is not None]
+        py = [r for r in members if r["pythia_score"] is not None]
+        return {
+            "n": len(members),
+            "exact_match_rate": _mean([float(r["exact_match"]) for r in done]),
+            "token_match": _mean([r["token_match"] for r in done]),
+            "rougeL": _mean([r["rouge_l"] for r in done]),
+            "longest_prefix": _mean([r["longest_prefix"] for r in done]),
+            "pythia_32_score": _mean([r["pythia_score"] for r in py]),
+            "exposure_mean": _mean([r["exposure"] for r in members]),
+        }
+
+    by_copies = {}
+    for cp in sorted({r["copies"] for r in rows}):
+        by_copies[str(cp)] = summary([r for r in rows if r["copies"] == cp])
+        m = mia["by_copies"].get(cp)
+        by_copies[str(cp)]["mia_auc_loss"] = m["loss"]["auc"] if m else None
+    twins = [dict(r, inserted=True) for r in rows if not r["inserted"]]
+    result = dict(summary(rows),
+                  mia_auc_loss=mia["metrics"]["loss"]["auc"],
+                  mia={name: m for name, m in mia["metrics"].items()},
+                  val_loss=val_loss["loss"] if val_loss else None,
+                  val_perplexity=val_loss["perplexity"] if val_loss else None,
+                  twins=summary(twins), by_copies=by_copies, skipped=ext.skipped, steps=steps,
+                  suffix_len=cfg.eval.suffix_len)
+    _write_atomic(run_dir / "eval_canaries.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
+    _write_atomic(run_dir / "eval.json", json.dumps(result, indent=1))
+    return result | {"rows": rows}
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)

@@ -1,0 +1,180 @@
+"""The model ladder: named transformers configs, built from config with no download.
+
+    model = build_model("ladder-10m", vocab_size=tokenizer_vocab)        # random init, seeded
+    model = build_model("llama-3.1-405b", device="meta")                 # shapes only, nothing allocated
+    model = build_model("/path/to/hf_dir")                               # from_pretrained, local files
+
+Families:
+- `ladder-*`: Llama-architecture models from ~1M to ~100M parameters at vocab 4096 (a locally trained
+  tokenizer's size). Hidden size, heads, kv heads and intermediate size are all multiples of 8 so every
+  8-rank grid fits in sharded mode; embeddings are untied (as in Llama 3).
+- `llama-3.1-8b/70b/405b`, `pythia-*` (GPT-NeoX), `gpt2`: the real shapes of the published models, to
+  simulate them (device="meta") or train them with random init; load real weights with a local
+  directory and `ParallelLM.load_hf_state_dict`.
+- `gpt2-tiny`: a 2-layer GPT-2 for tests and demos.
+
+Dropout is 0 in every named config: one-pass memorization runs train without it, and in sharded mode
+replicated activations would otherwise need identical dropout masks on every replica.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+from pathlib import Path
+
+import torch
+
+LADDER_VOCAB = 4096
+
+_LLAMA_31 = dict(
+    model_type="llama", vocab_size=128256, num_key_value_heads=8, max_position_embeddings=131072,
+    rms_norm_eps=1e-5, hidden_act="silu", initializer_range=0.02, tie_word_embeddings=False,
+    attention_bias=False, mlp_bias=False, bos_token_id=128000, eos_token_id=128001,
+    rope_parameters=dict(rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0,
+                         high_freq_factor=4.0, original_max_position_embeddings=8192),
+)
+_PYTHIA = dict(
+    model_type="gpt_neox", vocab_size=50304, max_position_embeddings=2048, rotary_pct=0.25,
+    rotary_emb_base=10000, use_parallel_residual=True, tie_word_embeddings=False, layer_norm_eps=1e-5,
+    hidden_act="gelu", initializer_range=0.02, attention_bias=True, hidden_dropout=0.0,
+    attention_dropout=0.0, bos_token_id=0, eos_token_id=0,
+)
+_GPT2 = dict(model_type="gpt2", vocab_size=50257, n_positions=1024, resid_pdrop=0.0, embd_pdrop=0.0,
+             attn_pdrop=0.0, initializer_range=0.02, tie_word_embeddings=True, layer_norm_epsilon=1e-5,
+             bos_token_id=50256, eos_token_id=50256)
+
+
+def _ladder(hidden, layers, heads, kv_heads, intermediate):
+    return dict(model_type="llama", vocab_size=LADDER_VOCAB, hidden_size=hidden, num_hidden_layers=layers,
+                num_attention_heads=heads, num_key_value_heads=kv_heads, intermediate_size=intermediate,
+                max_position_embeddings=2048, rms_norm_eps=1e-5, hidden_act="silu", initializer_range=0.02,
+                tie_word_embeddings=False, attention_dropout=0.0,
+                rope_parameters=dict(rope_type="default", rope_theta=10000.0))
+
+
+def _pythia(hidden, layers, heads, vocab=50304):
+    return dict(_PYTHIA, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+                intermediate_size=4 * hidden, vocab_size=vocab)
+
+
+# name -> config keyword arguments (model_type selects the transformers config class).
+MODELS: dict[str, dict] = {
+    #                        hidden layers heads kv  intermediate   ~params at vocab 4096
+    "ladder-1m": _ladder(64, 6, 8, 8, 256),        # 0.92M
+    "ladder-3m": _ladder(128, 8, 8, 8, 384),       # 2.8M
+    "ladder-10m": _ladder(256, 10, 8, 8, 704),     # 10.1M
+    "ladder-30m": _ladder(512, 8, 8, 8, 1408),     # 29.9M
+    "ladder-100m": _ladder(768, 12, 16, 8, 2560),  # 98.3M (GQA: 2 query heads per kv head)
+    "llama-3.1-8b": dict(_LLAMA_31, hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
+                         intermediate_size=14336),
+    "llama-3.1-70b": dict(_LLAMA_31, hidden_size=8192, num_hidden_layers=80, num_attention_heads=64,
+                          intermediate_size=28672),
+    "llama-3.1-405b": dict(_LLAMA_31, hidden_size=16384, num_hidden_layers=126, num_attention_heads=128,
+                           intermediate_size=53248),
+    "pythia-14m": _pythia(128, 6, 4),
+    "pythia-70m": _pythia(512, 6, 8),
+    "pythia-160m": _pythia(768, 12, 12),
+    "pythia-410m": _pythia(1024, 24, 16),
+    "pythia-1b": _pythia(2048, 16, 8),
+    "pythia-1.4b": _pythia(2048, 24, 16),
+    "pythia-2.8b": _pythia(2560, 32, 32),
+    "pythia-6.9b": _pythia(4096, 32, 32, vocab=50432),
+    "pythia-12b": _pythia(5120, 36, 40, vocab=50688),
+    "gpt2": dict(_GPT2, n_embd=768, n_layer=12, n_head=12),
+    "gpt2-tiny": dict(_GPT2, vocab_size=LADDER_VOCAB, n_embd=64, n_layer=2, n_head=8, bos_token_id=None,
+                      eos_token_id=None),
+}
+
+
+def list_models() -> list[str]:
+    return list(MODELS)
+
+
+def _unknown(name: str) -> ValueError:
+    close = difflib.get_close_matches(name.lower(), MODELS, n=3, cutoff=0.5)
+    hint = f"did you mean {', '.join(repr(c) for c in close)}? " if close else ""
+    return ValueError(f"unknown model {name!r}: {hint}Named models: {', '.join(MODELS)}; or give a local "
+                      "HF model directory or a hub id (owner/name)")
+
+
+def get_config(name: str, vocab_size: int | None = None, **overrides):
+    """The transformers config of a named model; vocab_size and overrides replace its fields."""
+    from transformers import AutoConfig
+
+    if name not in MODELS:
+        raise _unknown(name)
+    kwargs = dict(MODELS[name], **overrides)
+    if vocab_size is not None:
+        kwargs["vocab_size"] = int(vocab_size)
+        # A local tokenizer brings its own special tokens: drop ids it cannot hold (GPT-2's 50256...).
+        for k in ("bos_token_id", "eos_token_id"):
+            if (kwargs.get(k) or 0) >= kwargs["vocab_size"]:
+                kwargs[k] = None
+    return AutoConfig.for_model(kwargs.pop("model_type"), **kwargs)
+
+
+def _from_config(config, device, dtype, seed: int, trust_remote_code: bool = False):
+    from transformers import AutoModelForCausalLM
+
+    # HF draws its random init from the global generator: seed a forked copy, leave the caller's alone.
+    with torch.random.fork_rng(devices=[]), torch.device(device or "cpu"):
+        torch.manual_seed(seed)
+        return AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
+
+
+def _hub_error(name: str, err: Exception) -> OSError:
+    offline = os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes")
+    why = "the hub is offline (HF_HUB_OFFLINE=1)" if offline else "it could not be fetched from the hub"
+    return OSError(f"model {name!r} is not a named model nor a local directory, and {why} "
+                   f"({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}). Download it to a "
+                   f"directory on a machine with network and pass that path, or use a named model: "
+                   f"{', '.join(MODELS)}")
+
+
+def _local_dir(name: str, trust_remote_code: bool) -> Path:
+    """A local directory holding the model: the path itself, or a hub snapshot (fetched if online)."""
+    if os.path.isdir(name):
+        return Path(name)
+    if "/" not in name or name.startswith((".", "/")):
+        raise _unknown(name)
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(name, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt"]))
+    except Exception as e:  # offline, unreachable, unknown repository, gated...
+        raise _hub_error(name, e) from None
+
+
+def build_model(name_or_path: str, vocab_size: int | None = None, *, device=None, dtype=None, seed: int = 0,
+                trust_remote_code: bool = False, **overrides):
+    """A transformers causal LM: a named model from config, or a checkpoint from a directory or the hub.
+
+    vocab_size: for named models, replaces the config's (a locally trained tokenizer drives it); for
+        checkpoints it may only be <= the checkpoint's (a tokenizer may leave embedding rows unused).
+    device="meta": build the shapes without allocating. For a checkpoint the weights stay on disk: the
+        returned model records their directory and `parallelize` loads them, slice by slice, into the shards.
+    overrides: config fields to replace (e.g. num_hidden_layers=2, attn_pdrop=0.0).
+    """
+    if name_or_path in MODELS:
+        return _from_config(get_config(name_or_path, vocab_size, **overrides), device, dtype, seed)
+    path = _local_dir(name_or_path, trust_remote_code)
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code, **overrides)
+    if vocab_size is not None and vocab_size > config.vocab_size:
+        raise ValueError(f"vocab_size={vocab_size} exceeds the checkpoint's {config.vocab_size} at {str(path)!r}: "
+                         "use the checkpoint's own tokenizer")
+    if torch.device(device or "cpu").type == "meta":
+        model = _from_config(config, "meta", dtype, seed, trust_remote_code)
+        model._memtrain_weights = str(path)
+        return model
+    model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=dtype,
+                                                 trust_remote_code=trust_remote_code)
+    return model.to(device) if device is not None else model
+
+
+def param_count(name: str, vocab_size: int | None = None) -> int:
+    """Number of parameters of a named model (tied weights once), counted on the meta device."""
+    model = build_model(name, vocab_size, device="meta")
+    return sum(p.numel() for p in model.parameters())

@@ -1,0 +1,98 @@
+"""The model ladder: names, real shapes (exact published parameter counts), building, errors."""
+
+import os
+
+import pytest
+import torch
+
+from memtrain.models import LADDER_VOCAB, build_model, get_config, list_models, param_count
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+# Parameter counts published for the real models (model cards / config arithmetic), tied weights once.
+PUBLISHED = {
+    "llama-3.1-8b": 8_030_261_248, "llama-3.1-70b": 70_553_706_496, "llama-3.1-405b": 405_853_388_800,
+    "pythia-70m": 70_426_624, "pythia-160m": 162_322_944, "pythia-410m": 405_334_016,
+    "pythia-1b": 1_011_781_632, "pythia-1.4b": 1_414_647_808, "pythia-2.8b": 2_775_208_960,
+    "pythia-6.9b": 6_857_302_016, "pythia-12b": 11_846_072_320, "gpt2": 124_439_808,
+}
+LADDER = {"ladder-1m": 1e6, "ladder-3m": 3e6, "ladder-10m": 10e6, "ladder-30m": 30e6, "ladder-100m": 100e6}
+
+
+def test_names():
+    names = list_models()
+    assert set(PUBLISHED) | set(LADDER) | {"pythia-14m", "gpt2-tiny"} == set(names)
+
+
+@pytest.mark.parametrize("name", PUBLISHED)
+def test_real_shapes_have_published_parameter_counts(name):
+    assert param_count(name) == PUBLISHED[name]
+
+
+@pytest.mark.parametrize("name", LADDER)
+def test_ladder_sizes_and_divisibility(name):
+    cfg = get_config(name)
+    assert cfg.model_type == "llama" and cfg.vocab_size == LADDER_VOCAB and not cfg.tie_word_embeddings
+    # Within 10% of the name at vocab 4096, and every size splits over 8 ranks on any axis.
+    assert abs(param_count(name) / LADDER[name] - 1) < 0.1
+    for size in (cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.intermediate_size):
+        assert size % 8 == 0, (name, size)
+
+
+def test_real_hyper_parameters():
+    llama = get_config("llama-3.1-405b")
+    assert (llama.vocab_size, llama.num_key_value_heads, llama.hidden_size, llama.num_hidden_layers) == (
+        128256, 8, 16384, 126)
+    rope = llama.rope_parameters
+    assert rope["rope_theta"] == 500000.0 and rope["rope_type"] == "llama3" and rope["factor"] == 8.0
+    assert not llama.tie_word_embeddings and llama.max_position_embeddings == 131072
+    pythia = get_config("pythia-12b")
+    assert pythia.vocab_size == 50688 and pythia.rope_parameters["partial_rotary_factor"] == 0.25
+    assert pythia.use_parallel_residual and not pythia.tie_word_embeddings
+    gpt2 = get_config("gpt2")
+    assert gpt2.tie_word_embeddings and gpt2.vocab_size == 50257 and gpt2.attn_pdrop == 0.0
+
+
+def test_build_from_config():
+    a = build_model("ladder-1m", 1000, seed=1)
+    b = build_model("ladder-1m", 1000, seed=1)
+    c = build_model("ladder-1m", 1000, seed=2)
+    assert a.config.vocab_size == 1000 and a.model.embed_tokens.weight.shape == (1000, 64)
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+    assert not torch.equal(a.lm_head.weight, c.lm_head.weight)
+    rng = torch.get_rng_state()
+    build_model("gpt2-tiny")
+    assert torch.equal(rng, torch.get_rng_state())  # the caller's generator is left alone
+    small = build_model("gpt2", 300, n_layer=1)  # a local tokenizer of 300: GPT-2's eos 50256 cannot exist
+    assert small.config.eos_token_id is None and small.config.n_layer == 1
+    half = build_model("ladder-1m", dtype=torch.bfloat16)
+    assert half.lm_head.weight.dtype == torch.bfloat16
+
+
+def test_meta_builds_allocate_nothing():
+    model = build_model("llama-3.1-70b", device="meta", dtype=torch.bfloat16)
+    assert all(p.device.type == "meta" for p in model.parameters())
+
+
+def test_local_directory(tmp_path):
+    model = build_model("gpt2-tiny", seed=4)
+    model.save_pretrained(tmp_path)
+    again = build_model(str(tmp_path))
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), again.parameters()))
+    meta = build_model(str(tmp_path), device="meta")
+    assert meta._memtrain_weights == str(tmp_path) and next(meta.parameters()).device.type == "meta"
+    with pytest.raises(ValueError, match="exceeds the checkpoint's 4096"):
+        build_model(str(tmp_path), vocab_size=5000)
+
+
+def test_unknown_names_and_offline_hub(monkeypatch):
+    with pytest.raises(ValueError, match="did you mean 'ladder-10m'"):
+        build_model("ladder-10M")
+    with pytest.raises(ValueError, match="did you mean 'llama-3.1-8b'"):
+        build_model("lama-3.1-8b")
+    import huggingface_hub.constants
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(OSError, match="'EleutherAI/pythia-70m' is not a named model nor a local directory.*offline"):
+        build_model("EleutherAI/pythia-70m")
