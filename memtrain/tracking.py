@@ -162,9 +162,7 @@ class Tracker:
             run_id = saved.get("id") if saved.get("project") == cfg.wandb.project else None
             kwargs = dict(project=cfg.wandb.project, group=cfg.wandb.group, job_type=job_type,
                           name=name or cfg.wandb.name or run_dir.resolve().name,
-                          config=redact(cfg.to_dict()), dir=str(run_dir), mode=mode, reinit="create_new",
-                          settings=wandb.Settings(silent=True, console="off", init_timeout=60,
-                                                  x_disable_stats=True))
+                          config=redact(cfg.to_dict()), dir=str(run_dir), mode=mode, settings=_settings(wandb))
             if run_id:
                 kwargs.update(id=run_id, resume="allow")
             run = wandb.init(**kwargs)
@@ -273,6 +271,17 @@ class Tracker:
     def __exit__(self, exc_type, exc, tb):
         self.finish(exit_code=1 if exc_type else 0)
         return False
+
+
+def _settings(wandb):
+    """Quiet settings: no console capture, no system-metrics sampler (older wandb lacks some keys)."""
+    for kwargs in ({"silent": True, "console": "off", "init_timeout": 60, "x_disable_stats": True},
+                   {"silent": True, "console": "off"}):
+        try:
+            return wandb.Settings(**kwargs)
+        except Exception:  # noqa: BLE001 - an unknown key in this wandb version
+            continue
+    return None
 
 
 def _cell(v):

@@ -89,16 +89,18 @@ class _VocabParallelCE(torch.autograd.Function):
         m = logits.max(dim=-1).values
         comm.all_reduce(m, grid, axis, op=torch.distributed.ReduceOp.MAX)
         shifted = logits - m.unsqueeze(-1)
-        exp = shifted.exp()
         local = labels - start
         hit = (local >= 0) & (local < n_local)
         local = torch.where(hit, local, torch.zeros_like(local))
         target = shifted.gather(-1, local.unsqueeze(-1)).squeeze(-1) * hit
+        # In place from here (same values): two fewer [tokens, V] temporaries, each a fresh page-faulted
+        # allocation on CPU (~25% of this loss's time at 2k tokens x 4k vocabulary).
+        exp = shifted.exp_()
         sums = torch.stack([exp.sum(-1), target])
         comm.all_reduce(sums, grid, axis)
         valid = labels != IGNORE_INDEX
         loss = (sums[0].log() - sums[1]) * valid
-        ctx.save_for_backward(exp / sums[0].unsqueeze(-1), local, hit, valid)
+        ctx.save_for_backward(exp.div_(sums[0].unsqueeze(-1)), local, hit, valid)
         return loss
 
     @staticmethod
