@@ -14,7 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from experiments import sweep
+from experiments import launch, sweep
+from experiments import spec as specs
+from experiments.results import latest_by_point, read_results
 from memtrain.config import tomllib  # tomllib, or tomli on Python 3.10
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -117,8 +119,8 @@ def results(out: Path) -> list[dict]:
 
 
 def test_expand_ids_axes_and_overrides():
-    spec = sweep.parse_spec(tomllib.loads(SPEC), "mini.toml")
-    points = sweep.expand(spec, ["train.lr=0.01", "data.seq_len=64"], wandb_mode="offline")
+    spec = specs.parse_spec(tomllib.loads(SPEC), "mini.toml")
+    points = specs.expand(spec, ["train.lr=0.01", "data.seq_len=64"], wandb_mode="offline")
     assert [p.id for p in points] == IDS
     p = points[3]
     assert p.axes == {"model.name": "ladder-3m", "loss": {"kind": "goldfish", "k": 4}}
@@ -129,32 +131,32 @@ def test_expand_ids_axes_and_overrides():
 
 
 def test_seeds_named_axes_and_bad_specs():
-    spec = sweep.parse_spec({"sweep": {"name": "s"}, "axes": {
+    spec = specs.parse_spec({"sweep": {"name": "s"}, "axes": {
         "seeds": [0, 1], "size": [{"label": "small", "model.name": "ladder-1m", "parallel.z": 1},
                                   {"model.name": "ladder-3m", "train.micro_batch_size": 2}]}})
-    points = sweep.expand(spec)
+    points = specs.expand(spec)
     assert [p.id for p in points] == ["seed0_small", "seed0_ladder-3m-micro_batch_size2", "seed1_small",
                                       "seed1_ladder-3m-micro_batch_size2"]
     assert points[1].cfg.train.micro_batch_size == 2 and points[2].cfg.train.seed == 1
     with pytest.raises(ValueError, match="unknown config key"):
-        sweep.expand(sweep.parse_spec({"axes": {"train.lrr": [1.0]}}))
+        specs.expand(specs.parse_spec({"axes": {"train.lrr": [1.0]}}))
     with pytest.raises(ValueError, match="unknown config section"):
-        sweep.parse_spec({"axes": {"trian.lr": [1.0]}})
+        specs.parse_spec({"axes": {"trian.lr": [1.0]}})
     with pytest.raises(ValueError, match="non-empty list"):
-        sweep.parse_spec({"axes": {"train.lr": 1.0}})
+        specs.parse_spec({"axes": {"train.lr": 1.0}})
     with pytest.raises(ValueError, match="whole section"):
-        sweep.expand(sweep.parse_spec({"axes": {"loss": ["goldfish"]}}))
+        specs.expand(specs.parse_spec({"axes": {"loss": ["goldfish"]}}))
     with pytest.raises(ValueError, match="pretrain"):
-        sweep.parse_spec({"pretrain": {"stpes": 3}})
+        specs.parse_spec({"pretrain": {"stpes": 3}})
     with pytest.raises(FileNotFoundError, match="neither a file nor a preset"):
-        sweep.load_spec("no-such-preset")
+        specs.load_spec("no-such-preset")
 
 
-@pytest.mark.parametrize("name", sweep.presets())
+@pytest.mark.parametrize("name", specs.presets())
 def test_presets_parse(name):
-    assert set(sweep.presets()) >= {"quick", "extreme", "goldfish-k", "paper"}
-    spec = sweep.load_spec(name)
-    points = sweep.expand(spec)
+    assert set(specs.presets()) >= {"quick", "extreme", "goldfish-k", "paper"}
+    spec = specs.load_spec(name)
+    points = specs.expand(spec)
     assert points and len({p.id for p in points}) == len(points)
     if name == "quick":
         models = {p.cfg.model.name for p in points}
@@ -203,7 +205,7 @@ def test_failure_is_recorded_and_the_sweep_goes_on(env, capsys):
                        "--no-report"]) == 0
     assert (out / "results.jsonl").read_bytes().startswith(before)
     assert [x["name"] for x in launched(env["log"])[n_launched:]] == ["ladder-3m_standard"]
-    latest = sweep.latest_by_point(results(out))
+    latest = latest_by_point(results(out))
     assert all(r["status"] == "ok" for r in latest.values()) and len(results(out)) == len(IDS) + 1
 
 
@@ -227,14 +229,14 @@ def test_resume_after_kill_runs_only_missing_points(env):
     assert (out / "results.jsonl").read_bytes().startswith(before)  # appended only, nothing rewritten
     again = [x["name"] for x in launched(env["log"])[n_launched:]]
     assert again == IDS[3:]  # only the missing points, the killed one included
-    rows = sweep.read_results(out / "results.jsonl")
+    rows = read_results(out / "results.jsonl")
     assert [r["point"] for r in rows] == IDS and all(r["status"] == "ok" for r in rows)
     assert "not valid JSON" in proc.stderr  # the torn line was noticed and skipped
 
 
 def test_resume_continues_a_run_with_a_checkpoint(env):
     out = env["tmp"] / "ckpt"
-    spec = sweep.load_spec(env["spec"])
+    spec = specs.load_spec(env["spec"])
     calls = []
 
     def run_fn(cmd, run_dir):
@@ -253,7 +255,7 @@ def test_resume_continues_a_run_with_a_checkpoint(env):
 
 def test_changed_config_reruns_on_resume(env):
     out = env["tmp"] / "changed"
-    spec = sweep.load_spec(env["spec"])
+    spec = specs.load_spec(env["spec"])
     quiet = {"runner": env["runner"], "report": False, "log": lambda *a: None}
     sweep.run_sweep(spec, out, **quiet)
     n = len(launched(env["log"]))
@@ -291,7 +293,7 @@ def test_base_models_pretrained_once_on_a_disjoint_corpus_and_reused(env, tmp_pa
         max_docs = 20
     '''))
     quiet = {"runner": env["runner"], "report": False, "log": lambda *a: None}
-    sweep.run_sweep(sweep.load_spec(spec_path), tmp_path / "first", **quiet)
+    sweep.run_sweep(specs.load_spec(spec_path), tmp_path / "first", **quiet)
     calls = launched(env["log"])
     pre = [c for c in calls if c["pretrain"]]
     assert [c["config"]["model"]["name"] for c in pre] == ["ladder-1m", "ladder-3m"]  # one base per size
@@ -327,13 +329,13 @@ def test_base_models_pretrained_once_on_a_disjoint_corpus_and_reused(env, tmp_pa
     assert tok_pre.eos_token_id == tok_ft.eos_token_id and len(tok_pre) == len(tok_ft)
 
     # a second sweep finds the bases in the cache
-    sweep.run_sweep(sweep.load_spec(spec_path), tmp_path / "second", **quiet)
+    sweep.run_sweep(specs.load_spec(spec_path), tmp_path / "second", **quiet)
     assert not [c for c in launched(env["log"])[len(calls):] if c["pretrain"]]
     assert {r["base_dir"] for r in results(tmp_path / "second")} == set(bases.values())
 
 
 def test_failed_pretraining_fails_its_points_only(env, tmp_path):
-    spec = sweep.parse_spec({"sweep": {"name": "pf"}, "base": {"wandb": {"mode": "disabled"}},
+    spec = specs.parse_spec({"sweep": {"name": "pf"}, "base": {"wandb": {"mode": "disabled"}},
                              "axes": {"model.name": ["ladder-1m", "ladder-3m"]},
                              "pretrain": {"steps": 3, "corpus": "same"}})
     os.environ["FAKE_FAIL"] = "base-ladder-1m"
@@ -357,19 +359,19 @@ def test_failed_pretraining_fails_its_points_only(env, tmp_path):
 
 
 def test_launch_commands():
-    assert sweep.default_command()[1:] == ["-m", "memtrain"]
-    cmd = sweep.default_command("torchrun", 4)
+    assert launch.default_command()[1:] == ["-m", "memtrain"]
+    cmd = launch.default_command("torchrun", 4)
     assert cmd[1:5] == ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4"]
     assert cmd[-2:] == ["-m", "memtrain"]
-    assert sweep.default_command("torchrun", 4, runner="srun -n 4 python -m memtrain") == \
+    assert launch.default_command("torchrun", 4, runner="srun -n 4 python -m memtrain") == \
         ["srun", "-n", "4", "python", "-m", "memtrain"]
-    assert sweep.last_line("a\n 10%|#| 1/10\rValueError: x\n\n") == "ValueError: x"
+    assert launch.last_line("a\n 10%|#| 1/10\rValueError: x\n\n") == "ValueError: x"
 
 
 def test_set_on_an_axis_key_warns():
-    spec = sweep.parse_spec(tomllib.loads(SPEC), "mini.toml")
+    spec = specs.parse_spec(tomllib.loads(SPEC), "mini.toml")
     with pytest.warns(UserWarning, match="overridden by the sweep axis"):
-        points = sweep.expand(spec, ['model.name="ladder-30m"'])
+        points = specs.expand(spec, ['model.name="ladder-30m"'])
     assert {p.cfg.model.name for p in points} == {"ladder-1m", "ladder-3m", "ladder-10m"}
     with pytest.warns(UserWarning, match="overridden"):
-        sweep.expand(spec, ["loss.k=8"])
+        specs.expand(spec, ["loss.k=8"])

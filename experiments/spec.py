@@ -1,0 +1,296 @@
+"""Sweep specs: a TOML file (or a preset of experiments/presets/) of a base config, axes and a
+pretraining section, expanded into the validated points of a grid. See experiments/sweep.py for the format."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import hashlib
+import json
+import re
+import sys
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from memtrain.config import RunConfig, _parse_value, apply_overrides, from_dict
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+PRESETS = Path(__file__).resolve().parent / "presets"
+AXIS_ALIASES = {"seeds": "train.seed", "seed": "train.seed"}
+
+
+@dataclass
+class PretrainSpec:
+    """How the base model of each size is made before fine-tuning (section [pretrain])."""
+
+    steps: int = 0
+    """Optimizer steps of pretraining (0: none; runs start from base model.init or the seeded init)."""
+    lr: float = 3e-3
+    """Peak learning rate."""
+    min_lr: float | None = None
+    """End of the cosine decay (default lr / 10)."""
+    warmup_steps: int = 10
+    """Linear warm-up steps."""
+    batch_size: int | None = None
+    """Sequences per step (default: the fine-tuning train.batch_size)."""
+    seed: int = 1234
+    """Seed of the pretraining (initialization and data order); independent of the sweep's seeds."""
+    corpus: str = "disjoint"
+    """'disjoint': the documents of the fine-tuning corpus's source that the fine-tuning corpus does NOT
+    use (needs data.max_docs; canaries, their twins and validation documents are never seen);
+    'same': the fine-tuning corpus itself with canaries.number = 0 (the documents later cut into
+    document canaries and their twins are then seen once in pretraining);
+    anything else: a data.corpus value (path) read with the fine-tuning tokenizer."""
+    max_docs: int | None = None
+    """Use at most this many pretraining documents (evenly spaced)."""
+    set: list[str] = field(default_factory=list)
+    """Extra 'section.key=value' overrides of the pretraining run's config."""
+
+
+@dataclass
+class Spec:
+    name: str
+    description: str = ""
+    base: dict = field(default_factory=dict)
+    axes: dict = field(default_factory=dict)
+    pretrain: PretrainSpec = field(default_factory=PretrainSpec)
+    keep_checkpoints: bool = True
+    source: str = ""
+
+
+@dataclass
+class Point:
+    id: str
+    axes: dict
+    cfg: RunConfig
+    digest: str = ""
+    """Hash of what decides the run's result: its config as expanded (before the sweep points model.init at
+    a cached base) without W&B settings or the cache location, plus the pretraining settings if any."""
+
+
+def _digest(cfg: RunConfig, pre: PretrainSpec) -> str:
+    d = cfg.to_dict()
+    d.pop("wandb", None)
+    d["data"] = dict(d["data"], cache_dir=None)
+    blob = {"config": d, "pretrain": dataclasses.asdict(pre) if pre.steps and not cfg.model.init else None}
+    return hashlib.sha256(json.dumps(blob, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def presets() -> list[str]:
+    return sorted(p.stem for p in PRESETS.glob("*.toml"))
+
+
+def resolve_spec_path(spec: str) -> Path:
+    path = Path(spec).expanduser()
+    if path.is_file():
+        return path
+    preset = PRESETS / f"{spec}.toml"
+    if preset.is_file():
+        return preset
+    raise FileNotFoundError(f"sweep spec {spec!r} is neither a file nor a preset: use a TOML path or one of "
+                            f"{presets()}")
+
+
+def load_spec(spec: str | Path) -> Spec:
+    path = resolve_spec_path(str(spec))
+    try:
+        raw = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise ValueError(f"sweep spec {str(path)!r} is not valid TOML: {e}") from None
+    return parse_spec(raw, source=str(path))
+
+
+def parse_spec(raw: dict, source: str = "<dict>") -> Spec:
+    unknown = set(raw) - {"sweep", "base", "axes", "pretrain"}
+    if unknown:
+        raise ValueError(f"sweep spec {source}: unknown section(s) {sorted(unknown)}: use [sweep], [base], "
+                         "[axes], [pretrain]")
+    sw = dict(raw.get("sweep", {}))
+    name = sw.pop("name", None) or (Path(source).stem if source.endswith(".toml") else "sweep")
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", name):
+        raise ValueError(f"sweep name {name!r} is invalid: use letters, digits, '.', '_' or '-'")
+    spec = Spec(name=name, description=sw.pop("description", ""), keep_checkpoints=sw.pop("keep_checkpoints", True),
+                base=copy.deepcopy(raw.get("base", {})), axes=dict(raw.get("axes", {})), source=source)
+    if sw:
+        raise ValueError(f"sweep spec {source}: unknown [sweep] key(s) {sorted(sw)}: use name, description, "
+                         "keep_checkpoints")
+    spec.pretrain = _pretrain_spec(raw.get("pretrain", {}), source)
+    from_dict(copy.deepcopy(spec.base))  # validate the base early: a typo fails before any run starts
+    for key, values in spec.axes.items():
+        _axis_key(key)
+        if not isinstance(values, list) or not values:
+            raise ValueError(f"sweep axis {key!r} must be a non-empty list of values, got {values!r}")
+    return spec
+
+
+def _pretrain_spec(raw: dict, source: str) -> PretrainSpec:
+    names = {f.name for f in dataclasses.fields(PretrainSpec)}
+    bad = set(raw) - names
+    if bad:
+        raise ValueError(f"sweep spec {source}: unknown [pretrain] key(s) {sorted(bad)}: use {sorted(names)}")
+    p = PretrainSpec(**raw)
+    if not isinstance(p.steps, int) or p.steps < 0:
+        raise ValueError(f"pretrain.steps={p.steps!r} is invalid: use an integer >= 0")
+    return p
+
+
+def _sections() -> set[str]:
+    return {f.name for f in dataclasses.fields(RunConfig)}
+
+
+def _axis_key(key: str) -> tuple[str | None, str | None]:
+    """('section', 'key') for 'section.key', ('section', None) for a whole-section axis, (None, None) for a
+    named axis (any other word) whose values are tables of "section.key" = value."""
+    key = AXIS_ALIASES.get(key, key)
+    section, dot, sub = key.partition(".")
+    if dot and section not in _sections():
+        raise ValueError(f"sweep axis {key!r}: unknown config section {section!r} (sections: "
+                         f"{sorted(_sections())})")
+    if not dot and section not in _sections():
+        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_-]*", key):
+            raise ValueError(f"sweep axis {key!r} is not a valid name")
+        return None, None
+    return section, (sub or None)
+
+
+def _apply_axis(raw: dict, key: str, value) -> None:
+    section, sub = _axis_key(key)
+    if section is None:  # named axis: {"section.key" = value, ..., label = "..."}
+        if not isinstance(value, dict):
+            raise ValueError(f"sweep axis {key!r} is not a config section: its values must be tables of "
+                             f"\"section.key\" = value (and an optional label), got {value!r}")
+        for k, v in value.items():
+            if k == "label":
+                continue
+            if "." not in k:
+                raise ValueError(f"sweep axis {key!r}: key {k!r} must be written section.key")
+            sec, name = k.split(".", 1)
+            raw.setdefault(sec, {})[name] = copy.deepcopy(v)
+    elif sub is None:
+        if not isinstance(value, dict):
+            raise ValueError(f"sweep axis {key!r} sets a whole section: its values must be tables like "
+                             f"{{kind = \"goldfish\", k = 4}}, got {value!r}")
+        raw.setdefault(section, {}).update(copy.deepcopy(value))
+    else:
+        raw.setdefault(section, {})[sub] = copy.deepcopy(value)
+
+
+def _axis_covers(axis: str, key: str, values: list) -> bool:
+    """Does this axis set config key 'section.name'?"""
+    section, sub = _axis_key(axis)
+    if section is not None:
+        return f"{section}.{sub}" == key if sub else any(
+            isinstance(v, dict) and f"{section}.{k}" == key for v in values for k in v)
+    return any(isinstance(v, dict) and key in v for v in values)
+
+
+def label(key: str, value) -> str:
+    """A short readable piece of a point id for one axis value."""
+    section, sub = _axis_key(key)
+    if isinstance(value, dict) and "label" in value:
+        text = str(value["label"])
+    elif isinstance(value, dict):
+        parts = []
+        for k, v in value.items():
+            name = k.rsplit(".", 1)[-1]
+            if name in ("kind", "name", "corpus", "tokenizer", "init"):
+                parts.append(str(v).rstrip("/").rsplit("/", 1)[-1])
+            else:
+                parts.append(f"{name}{_fmt(v)}")
+        text = "-".join(parts)
+    elif sub in ("name", "kind", "corpus", "tokenizer", "init"):
+        text = str(value).rstrip("/").rsplit("/", 1)[-1]
+    else:
+        text = f"{sub or key}{_fmt(value)}"
+    return re.sub(r"[^A-Za-z0-9._=-]+", "-", text).strip("-") or "x"
+
+
+def _fmt(v) -> str:
+    if isinstance(v, bool):
+        return "on" if v else "off"
+    if isinstance(v, list):
+        return "-".join(_fmt(x) for x in v)
+    return str(v)
+
+
+def expand(spec: Spec, overrides: list[str] | None = None, wandb_mode: str | None = None) -> list[Point]:
+    """Every point of the sweep grid, validated, in axis order (the first axis varies slowest)."""
+    base = apply_overrides(copy.deepcopy(spec.base), list(overrides or []))
+    axes = list(spec.axes.items())
+    for item in overrides or []:
+        key = item.split("=", 1)[0].strip()
+        if any(_axis_covers(k, key, spec.axes[k]) for k in spec.axes):
+            warnings.warn(f"--set {item!r} is overridden by the sweep axis that sets {key}: use --only to pick "
+                          "points, or edit the axis in a copy of the spec", stacklevel=2)
+    combos: list[list[tuple[str, object]]] = [[]]
+    for key, values in axes:
+        combos = [c + [(key, v)] for c in combos for v in values]
+    points, seen = [], {}
+    for combo in combos:
+        raw = copy.deepcopy(base)
+        for key, value in combo:
+            _apply_axis(raw, key, value)
+        pid = "_".join(label(k, v) for k, v in combo) or "run"
+        if pid in seen:
+            seen[pid] += 1
+            pid = f"{pid}_{seen[pid]}"
+        else:
+            seen[pid] = 0
+        wb = raw.setdefault("wandb", {})
+        wb.setdefault("group", spec.name)
+        wb["name"] = pid
+        if wandb_mode:
+            wb["mode"] = wandb_mode
+        try:
+            cfg = from_dict(raw)
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"sweep point {pid!r} has an invalid config: {e}") from None
+        points.append(Point(id=pid, axes={AXIS_ALIASES.get(k, k): v for k, v in combo}, cfg=cfg,
+                            digest=_digest(cfg, spec.pretrain)))
+    return points
+
+
+def select(points: list[Point], only: str | None) -> list[Point]:
+    if not only:
+        return points
+    try:
+        pattern = re.compile(only)
+    except re.error as e:
+        raise ValueError(f"--only {only!r} is not a valid regular expression: {e}") from None
+    chosen = [p for p in points if pattern.search(p.id)]
+    if not chosen:
+        raise ValueError(f"--only {only!r} matches no point: the points are {[p.id for p in points]}")
+    return chosen
+
+
+def split_overrides(items: list[str]) -> tuple[list[str], list[str], list[str]]:
+    """--set values for the run config, for [pretrain] and for [sweep] (the latter two by prefix)."""
+    run, pre, sw = [], [], []
+    for item in items:
+        head = item.split("=", 1)[0].strip()
+        (pre if head.startswith("pretrain.") else sw if head.startswith("sweep.") else run).append(item)
+    return run, pre, sw
+
+
+def apply_spec_overrides(spec: Spec, pre: list[str], sw: list[str]) -> None:
+    for item in pre + sw:
+        if "=" not in item:
+            raise ValueError(f"--set {item!r} is malformed: use section.key=value")
+        path, value = item.split("=", 1)
+        section, key = path.strip().split(".", 1)
+        value = _parse_value(value.strip())
+        if section == "pretrain":
+            if key not in {f.name for f in dataclasses.fields(PretrainSpec)}:
+                raise ValueError(f"unknown [pretrain] key {key!r} in --set {item!r}")
+            setattr(spec.pretrain, key, value)
+        elif key == "keep_checkpoints":
+            spec.keep_checkpoints = bool(value)
+        else:
+            raise ValueError(f"--set {item!r}: only sweep.keep_checkpoints can be set from the command line")
+    spec.pretrain = _pretrain_spec(dataclasses.asdict(spec.pretrain), "--set")
+
