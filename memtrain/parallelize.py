@@ -113,6 +113,18 @@ class ParallelLM(nn.Module):
 
     forward = token_losses
 
+    def enable_activation_checkpointing(self) -> None:
+        """Recompute each transformer block's forward during backward instead of keeping its activations.
+
+        transformers' own per-block checkpointing, non-reentrant: autocast state is replayed and the
+        engine's collectives simply run again in the recomputation (the ledger shows each block's forward
+        communication twice per step). Results are unchanged; activation memory drops to one block's.
+        """
+        if not getattr(self.model, "supports_gradient_checkpointing", False):
+            raise ValueError(f"train.activation_checkpointing=true but {type(self.model).__name__} does not support "
+                             "gradient checkpointing in transformers: set it to false")
+        self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
     def num_params(self) -> int:
         """Parameters of the full (unpadded, unsharded) model."""
         return self._num_params

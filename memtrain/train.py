@@ -87,11 +87,22 @@ def _memory_mb(device: torch.device) -> float:
 
 def setup(cfg: RunConfig, grid: parallel.Grid):
     """Stream, parallelized model and the steps of the run (shared by train and eval entry points)."""
-    stream = build_stream(cfg.data, cfg.canaries, seed=cfg.train.seed)
+    stream = _build_stream_once_per_node(cfg, grid)
     hf = build_model(cfg.model.name, vocab_size=stream.vocab_size, device="meta",
                      trust_remote_code=cfg.model.trust_remote_code)
     plm = parallelize(hf, grid, mode=cfg.parallel.mode, seed=cfg.train.seed)
     return stream, plm
+
+
+def _build_stream_once_per_node(cfg: RunConfig, grid: parallel.Grid):
+    """Local rank 0 builds the stream (tokenizer training, tokenization, packing) into the cache first; the
+    node's other ranks then read it. Built by every rank at once, the same work ran N times over on the
+    node's cores (4 ranks on 2 cores: minutes instead of seconds for the default corpus)."""
+    first = int(os.environ.get("LOCAL_RANK", "0")) == 0
+    stream = build_stream(cfg.data, cfg.canaries, seed=cfg.train.seed) if first else None
+    if grid.world_size > 1:
+        torch.distributed.barrier()
+    return stream if first else build_stream(cfg.data, cfg.canaries, seed=cfg.train.seed)
 
 
 def train(cfg: RunConfig, out_dir: str | Path, *, resume: bool = False) -> dict:
@@ -120,6 +131,8 @@ def train(cfg: RunConfig, out_dir: str | Path, *, resume: bool = False) -> dict:
     torch.manual_seed(t.seed)
 
     stream, plm = setup(cfg, grid)
+    if t.activation_checkpointing:
+        plm.enable_activation_checkpointing()
     B = t.batch_size
     if B % grid.size(("z", "data")) or (plm.mode == "easy" and B % grid.world_size):
         raise ValueError(f"train.batch_size={B} does not split over the grid ({plm.mode} mode, "

@@ -41,10 +41,12 @@ GRIDS = [(8, 1, 1, 1), (1, 8, 1, 1), (1, 1, 8, 1), (1, 1, 1, 8), (2, 2, 2, 1), (
          (2, 2, 1, 2)]
 MODES = ("sharded", "easy")
 FAMILIES = ("llama", "neox", "gpt2")
-# (grid, family, mode, overlap): OPT through the generic easy path; overlap (OAR + ORS + OAG) runs.
-EXTRA = [((2, 2, 2, 1), "opt", "easy", False), ((1, 2, 2, 2), "opt", "easy", False),
-         ((1, 2, 2, 2), "llama", "sharded", True), ((2, 2, 1, 2), "llama", "sharded", True),
-         ((1, 2, 2, 2), "gpt2", "easy", True)]
+# (grid, family, mode, options): OPT through the generic easy path; runs under overlap (OAR + ORS + OAG)
+# and with activation checkpointing (each block's forward, collectives included, recomputed in backward).
+EXTRA = [((2, 2, 2, 1), "opt", "easy", ""), ((1, 2, 2, 2), "opt", "easy", ""),
+         ((1, 2, 2, 2), "llama", "sharded", "overlap"), ((2, 2, 1, 2), "llama", "sharded", "overlap"),
+         ((1, 2, 2, 2), "gpt2", "easy", "overlap"), ((1, 2, 2, 2), "llama", "sharded", "recompute"),
+         ((2, 2, 1, 2), "neox", "sharded", "overlap+recompute"), ((2, 2, 2, 1), "gpt2", "easy", "recompute")]
 B, S, STEPS, LR, WD, EPS, SEED = 8, 12, 5, 1e-2, 0.01, 1e-5, 3
 LOSS_TOL, GRAD_TOL, PARAM_TOL = 1e-5, 1e-5, 2e-2 * LR
 
@@ -120,6 +122,9 @@ def plm_train(plm, grid, overlap=False):
     opt = torch.optim.AdamW(plm.parameters(), lr=LR, weight_decay=WD, eps=EPS)
     rows = plm.local_rows(B)
     losses = []
+    first = next(m for m in plm.modules() if isinstance(m, parallel.Linear))
+    first.calls = 0
+    first.register_forward_hook(lambda m, i, o: setattr(m, "calls", m.calls + 1))
     for step in range(STEPS):
         ids, labels = batch(step, plm.config.vocab_size)
         n = (labels != -100).sum()
@@ -135,7 +140,7 @@ def plm_train(plm, grid, overlap=False):
         total = total.detach().clone()
         parallel.comm.all_reduce(total, grid, plm.loss_reduce_axes)
         losses.append(float(total / n))
-    return losses, (grads, norm)
+    return losses, (grads, norm), first.calls / STEPS
 
 
 def _max_abs(sd, ref):
@@ -152,7 +157,7 @@ def _rel_each(sd, ref):
     return max(float((sd[k] - ref[k]).abs().max()) / max(float(ref[k].abs().max()), floor) for k in ref)
 
 
-def _case(grid, fam, mode, ref, overlap=False):
+def _case(grid, fam, mode, ref, options=""):
     init, losses, (grads, norm), final = ref
     if mode == "sharded":  # the engine's seeded init, shard by shard
         plm = parallelize(tiny(fam, "meta"), grid, mode, seed=SEED, device="cpu")
@@ -160,8 +165,10 @@ def _case(grid, fam, mode, ref, overlap=False):
         plm = parallelize(tiny(fam, "meta"), grid, mode, seed=SEED + 1, device="cpu")
         plm.load_hf_state_dict(init)
     init_err = _max_abs(plm.full_state_dict(), init)
-    got, (got_grads, got_norm) = plm_train(plm, grid, overlap)
-    return {"init": init_err, "loss": max(abs(a - b) / b for a, b in zip(got, losses)),
+    if "recompute" in options:
+        plm.enable_activation_checkpointing()
+    got, (got_grads, got_norm), forwards = plm_train(plm, grid, "overlap" in options)
+    return {"init": init_err, "forwards_per_step": forwards, "loss": max(abs(a - b) / b for a, b in zip(got, losses)),
             "grad": _rel_each(got_grads, grads), "grad_norm": abs(got_norm / norm - 1),
             "params": _max_abs(plm.full_state_dict(), final),
             "vocab": plm.head.vocab}
@@ -175,9 +182,9 @@ def _worker(rank, world, refs, root):
         grid.build_groups()
         for fam in FAMILIES:
             for mode in MODES:
-                out[(degrees, fam, mode, False)] = _case(grid, fam, mode, refs[fam])
-    for degrees, fam, mode, ov in EXTRA:
-        out[(degrees, fam, mode, ov)] = _case(grids[degrees], fam, mode, refs[fam], ov)
+                out[(degrees, fam, mode, "")] = _case(grid, fam, mode, refs[fam])
+    for degrees, fam, mode, options in EXTRA:
+        out[(degrees, fam, mode, options)] = _case(grids[degrees], fam, mode, refs[fam], options)
     # HF round trip on (1, 2, 2, 2): an HF checkpoint directory -> meta model -> parallelize reads the
     # safetensors slice by slice into the shards -> full_state_dict -> export_hf (loaded by the parent).
     for fam in FAMILIES:
@@ -230,19 +237,22 @@ def _check(r):
 @pytest.mark.parametrize("fam", FAMILIES)
 @pytest.mark.parametrize("degrees", GRIDS, ids=lambda g: "d{}x{}y{}z{}".format(*g))
 def test_training_matches_hf(results, degrees, fam, mode):
-    _check(results[0][(degrees, fam, mode, False)])
+    _check(results[0][(degrees, fam, mode, "")])
 
 
-@pytest.mark.parametrize("case", EXTRA, ids=lambda c: "d{}x{}y{}z{}".format(*c[0]) + f"-{c[1]}-{c[2]}-ov{int(c[3])}")
-def test_generic_and_overlap_match_hf(results, case):
-    _check(results[0][case])
+@pytest.mark.parametrize("case", EXTRA, ids=lambda c: "d{}x{}y{}z{}-{}-{}-{}".format(*c[0], *c[1:3], c[3] or "plain"))
+def test_generic_overlap_and_recompute_match_hf(results, case):
+    r = results[0][case]
+    _check(r)
+    # Recomputation really happened: the first sharded Linear ran forward twice per micro-batch.
+    assert r["forwards_per_step"] == (2 if "recompute" in case[3] else 1), r
 
 
 @pytest.mark.parametrize("degrees", GRIDS, ids=lambda g: "d{}x{}y{}z{}".format(*g))
 def test_vocab_padding(results, degrees):
     """GPT-2's vocabulary of 99 is padded to a multiple of Y on Y=2 and Y=8 (and training matched)."""
     for mode in MODES:
-        v = results[0][(degrees, "gpt2", mode, False)]["vocab"]
+        v = results[0][(degrees, "gpt2", mode, "")]["vocab"]
         assert v == padded_vocab(99, 32, parallel.Grid(*degrees)) and v % degrees[2] == 0
         assert (v > 99) == (degrees[2] > 1), v
 
