@@ -1,12 +1,13 @@
 """Benchmark: our batched greedy decoder vs transformers `generate` on the extraction workload.
 
-1,000 random-token canaries of 128 tokens, 50-token suffix (prefix 78), batch 64, on a Llama built from
-a config (hidden 256, 4 layers, 4 heads, intermediate 688, vocab 4096). Both decoders get the same
-batches in the same run, back to back per batch (alternating order), repeated; medians are reported, and
-the generated tokens must be identical. `--ragged` draws canary lengths in [length/2, length] to exercise
-left padding.
+1,000 random-token canaries of 128 tokens, 50-token suffix (prefix 78), batch 64, on `ladder-10m` (the
+ladder's Llama: hidden 256, 10 layers, 8 heads, vocab 4096) built from config with memtrain's seeded init.
+Both decoders get the same batches in the same run, back to back per batch (alternating order),
+repeated; medians are reported, and the generated tokens must be identical. `--ragged` draws canary
+lengths in [length/2, length] to exercise left padding.
 
-    python -m experiments.bench_eval [--canaries 1000] [--repeats 3] [--ragged] [--json out.json]
+    python -m experiments.bench_eval [--model ladder-10m] [--canaries 1000] [--repeats 3] [--ragged]
+                                     [--json out.json]
 """
 
 from __future__ import annotations
@@ -20,18 +21,15 @@ import time
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
-from transformers import AutoModelForCausalLM, LlamaConfig  # noqa: E402
 
 from eval.decode import HFStepper, greedy_decode_batch, pad_left  # noqa: E402
 from eval.extraction import extraction_eval  # noqa: E402
 
 
-def build_model(vocab: int, seed: int = 0):
-    cfg = LlamaConfig(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4,
-                      intermediate_size=688, vocab_size=vocab, max_position_embeddings=512,
-                      bos_token_id=None, eos_token_id=None, pad_token_id=None)
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(cfg).eval()
+def build_model(name: str, vocab: int, seed: int = 0):
+    from memtrain.models import build_model as build
+
+    model = build(name, vocab_size=vocab, seed=seed).eval()
     model.generation_config.eos_token_id = None  # both decoders emit exactly n tokens
     model.generation_config.pad_token_id = 0
     return model
@@ -39,6 +37,7 @@ def build_model(vocab: int, seed: int = 0):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="ladder-10m", help="a named model of memtrain.models")
     ap.add_argument("--canaries", type=int, default=1000)
     ap.add_argument("--length", type=int, default=128)
     ap.add_argument("--suffix", type=int, default=50)
@@ -52,7 +51,7 @@ def main(argv=None):
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    model = build_model(args.vocab)
+    model = build_model(args.model, args.vocab)
     n_params = sum(p.numel() for p in model.parameters())
     g = torch.Generator().manual_seed(1)
     if args.ragged:
@@ -62,7 +61,7 @@ def main(argv=None):
     canaries = [torch.randint(0, args.vocab, (n,), generator=g).tolist() for n in lengths]
     # Length-sorted up front, as greedy_decode does, so batches carry little padding.
     prefixes = sorted((c[:-args.suffix] for c in canaries), key=len)
-    print(f"model: Llama {n_params / 1e6:.2f}M params, threads {torch.get_num_threads()}; "
+    print(f"model: {args.model} {n_params / 1e6:.2f}M params, threads {torch.get_num_threads()}; "
           f"{args.canaries} canaries, prefix {min(map(len, prefixes))}-{max(map(len, prefixes))}, "
           f"suffix {args.suffix}, batch {args.batch_size}")
 

@@ -69,10 +69,10 @@ def fingerprint(docs: list[Document]) -> str:
 def read_text_files(root: Path, pattern: str = "**/*", skip_parts: tuple[str, ...] = ()) -> list[Document]:
     """Every file under root matching pattern, sorted by path, one UTF-8 document each.
 
-    Files that are not UTF-8 are skipped with a warning naming them, rather than decoded with
+    Files that are not UTF-8 are skipped with one warning naming them all, rather than decoded with
     replacement characters that the model would then learn.
     """
-    docs = []
+    docs, skipped = [], []
     for p in sorted(root.glob(pattern)):
         rel = p.relative_to(root)
         if not p.is_file() or any(part in skip_parts or part.startswith(".") for part in rel.parts):
@@ -80,9 +80,11 @@ def read_text_files(root: Path, pattern: str = "**/*", skip_parts: tuple[str, ..
         try:
             text = p.read_bytes().decode("utf-8")
         except UnicodeDecodeError as e:
-            warnings.warn(f"skipping {p}: not UTF-8 ({e.reason} at byte {e.start})", stacklevel=2)
+            skipped.append(f"{p} ({e.reason} at byte {e.start})")
             continue
         docs.append(Document(name=rel.as_posix(), text=text))
+    if skipped:
+        warnings.warn(f"skipping {len(skipped)} file(s) that are not UTF-8: {'; '.join(skipped)}", stacklevel=2)
     return docs
 
 
