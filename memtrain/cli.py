@@ -1,4 +1,4 @@
-"""The `memtrain` command: train, eval, sweep, plot, models, config, demo.
+"""The `memtrain` command: train, eval, sweep, plot, plan, models, config, demo.
 
 Bad input ends with one line `memtrain: error: ...` naming the value and the fix, and exit code 2.
 """
@@ -65,10 +65,16 @@ def _plot(argv) -> None:
     main(argv)
 
 
+def _plan(argv) -> None:
+    from memtrain.planner import main
+
+    main(argv)
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] in ("sweep", "plot"):
-        return _run(lambda: (_sweep if argv[0] == "sweep" else _plot)(argv[1:]))
+    if argv and argv[0] in ("sweep", "plot", "plan"):
+        return _run(lambda: {"sweep": _sweep, "plot": _plot, "plan": _plan}[argv[0]](argv[1:]))
     if argv and argv[0] == "demo":
         return _run(lambda: _sweep(["quick", *argv[1:]]))
     parser = argparse.ArgumentParser(prog="memtrain", description=__doc__.splitlines()[0])
@@ -87,6 +93,7 @@ def main(argv: list[str] | None = None) -> None:
     sub.add_parser("config", help="every config key with its default and meaning").set_defaults(fn=_config)
     sub.add_parser("sweep", help="run a memorization sweep: memtrain sweep SPEC [--set ...] [--resume]")
     sub.add_parser("plot", help="figures and report.md from runs/<sweep>/results.jsonl")
+    sub.add_parser("plan", help="rank (data, x, y, z) grids for a model on N GPUs: memtrain plan --model M --gpus N")
     sub.add_parser("demo", help="the quick memorization sweep (same as `memtrain sweep quick`)")
     args = parser.parse_args(argv)
     return _run(lambda: args.fn(args))

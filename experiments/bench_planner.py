@@ -1,0 +1,194 @@
+"""Planner ranking vs measurement: does `memtrain plan` order the 8-rank grids the way this machine does?
+
+On `--world` forked gloo ranks (file:// rendezvous, one torch thread each):
+1. measure this machine's collectives per group size (planner.measure_table, as `memtrain plan --measure`);
+2. time one training step of `--model` on every grid of that many ranks, in sharded and easy mode: the
+   trainer's step (forward + backward per micro-batch, sync_gradients, clip_grad_norm_, AdamW). Grids run
+   interleaved, one step each per round in a rotated order, each step after a barrier and timed as the slowest
+   rank, so load drifting on a shared machine hits every grid alike; the median over rounds is kept;
+3. predict every grid's communication time with the measured table (planner.evaluate) and print both orders
+   and the Spearman rank correlation, per mode and over all.
+
+    python -m experiments.bench_planner [--model ladder-1m] [--batch 16] [--seq 64] [--rounds 4] [--json out.json]
+
+The planner predicts communication only (compute is the same work on every grid); on 2 shared cores the
+measured times also carry compute and scheduling noise, so the correlation is a figure, not a test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import multiprocessing as mp
+import os
+import statistics
+import tempfile
+import time
+import traceback
+
+import torch
+import torch.distributed as dist
+
+import parallel
+from memtrain import plan_bytes as pb
+from memtrain import planner
+from memtrain.config import RunConfig
+from memtrain.losses import loss_sums
+from memtrain.models import build_model
+from memtrain.parallelize import parallelize
+from memtrain.train import _optimizer
+
+MODES = ("sharded", "easy")
+
+
+def grids(world: int) -> list[tuple[int, int, int, int]]:
+    return sorted(planner.factorizations(world))
+
+
+def train_step(plm, grid, opt, ids, labels) -> None:
+    """The trainer's step (memtrain/train.py) with one micro-batch and no autocast (CPU)."""
+    rows = plm.local_rows(ids.shape[0])
+    n = (labels != -100).sum()
+    opt.zero_grad(set_to_none=True)
+    with parallel.overlap(plm):
+        losses = plm.token_losses(ids[rows], labels[rows])
+        s = loss_sums(losses, labels[rows] != -100, labels[rows])
+        (s.kept_sum / n).backward()
+    parallel.sync_gradients(plm, grid)
+    parallel.clip_grad_norm_(plm, 1.0, grid)
+    opt.step()
+    sums = torch.stack([x.detach().double() for x in s])
+    parallel.comm.all_reduce(sums, grid, plm.loss_reduce_axes)
+
+
+def worker(rank: int, world: int, args) -> dict:
+    table = planner.measure_table(rank, world, world, sizes_mb=(0.05, 0.25, 1.0), iters=5)
+    runs = {}
+    for degrees in grids(world):
+        grid = parallel.Grid(*degrees, rank=rank)
+        grid.build_groups()
+        for mode in MODES:
+            plm = parallelize(build_model(args.model, device="meta"), grid, mode, seed=0, device="cpu")
+            runs[(degrees, mode)] = (plm, grid, _optimizer(plm, RunConfig()))
+    g = torch.Generator().manual_seed(0)
+    vocab = next(iter(runs.values()))[0].config.vocab_size
+    ids = torch.randint(0, vocab, (args.batch, args.seq), generator=g)
+    labels = torch.randint(0, vocab, (args.batch, args.seq), generator=g)
+    times = {key: [] for key in runs}
+    keys = list(runs)
+    for r in range(args.warmup + args.rounds):
+        for key in keys[r % len(keys):] + keys[:r % len(keys)]:
+            plm, grid, opt = runs[key]
+            dist.barrier()
+            start = time.perf_counter()
+            train_step(plm, grid, opt, ids, labels)
+            elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+            if r >= args.warmup:
+                times[key].append(float(elapsed))
+    return {"table": table, "times": {k: statistics.median(v) for k, v in times.items()}}
+
+
+def _child(rank, world, init_file, args, q):
+    try:
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=300))
+        out = worker(rank, world, args)
+        dist.barrier()
+        dist.destroy_process_group()
+        q.put((rank, "ok", out if rank == 0 else None))
+    except BaseException:  # noqa: BLE001 - report everything to the parent
+        q.put((rank, "error", traceback.format_exc()))
+
+
+def run(world: int, args) -> dict:
+    ctx = mp.get_context("fork")
+    q = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        rdv = os.path.join(tmp, "rendezvous")
+        procs = [ctx.Process(target=_child, args=(r, world, rdv, args, q)) for r in range(world)]
+        for p in procs:
+            p.start()
+        result = None
+        try:
+            for _ in range(world):
+                rank, status, payload = q.get(timeout=args.timeout)
+                if status == "error":
+                    raise RuntimeError(f"rank {rank} failed:\n{payload}")
+                result = payload if rank == 0 else result
+        finally:
+            for p in procs:
+                p.join(timeout=5)
+                if p.is_alive():
+                    p.kill()
+    return result
+
+
+def ranks(values: list[float]) -> list[float]:
+    """Ranks 1..n, ties sharing their mean rank."""
+    order = sorted(range(len(values)), key=values.__getitem__)
+    out = [0.0] * len(values)
+    i = 0
+    while i < len(order):
+        j = i
+        while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
+            j += 1
+        for k in range(i, j + 1):
+            out[order[k]] = (i + j) / 2 + 1
+        i = j + 1
+    return out
+
+
+def spearman(a: list[float], b: list[float]) -> float:
+    """Pearson correlation of the ranks."""
+    ra, rb = ranks(a), ranks(b)
+    ma, mb = statistics.mean(ra), statistics.mean(rb)
+    cov = sum((x - ma) * (y - mb) for x, y in zip(ra, rb))
+    return cov / (sum((x - ma) ** 2 for x in ra) * sum((y - mb) ** 2 for y in rb)) ** 0.5
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="ladder-1m")
+    ap.add_argument("--world", type=int, default=8)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--seq", type=int, default=64)
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--timeout", type=float, default=1200)
+    ap.add_argument("--json", help="write measured and predicted figures here")
+    args = ap.parse_args(argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    t0 = time.perf_counter()
+    res = run(args.world, args)
+    net = planner.Network(name="measured", gpus_per_node=args.world, gpu_memory_gb=1e6,
+                          collectives=res["table"], source="experiments/bench_planner.py")
+    shape = pb.shape_of(build_model(args.model, device="meta").config)
+    cfg = planner.PlanConfig(args.model, args.world, args.batch, args.seq, precision="fp32")
+    rows = []
+    for (degrees, mode), measured in res["times"].items():
+        local = args.batch // (args.world if mode == "easy" else degrees[0] * degrees[3])
+        p = planner.evaluate(shape, pb.degrees(degrees), mode, cfg, net, local)
+        rows.append({"grid": degrees, "mode": mode, "measured_s": measured, "predicted_s": p.seconds,
+                     "moved_mb": p.moved_bytes / 2**20})
+    print(f"{args.model}, batch {args.batch} x {args.seq}, {args.world} gloo ranks; median of {args.rounds} rounds")
+    print(f"{'grid (d,x,y,z)':>15} {'mode':>8} {'measured s':>11} {'predicted comm s':>17} {'MiB sent':>9}")
+    for r in sorted(rows, key=lambda r: r["measured_s"]):
+        print(f"{str(r['grid']):>15} {r['mode']:>8} {r['measured_s']:>11.4f} {r['predicted_s']:>17.4f} "
+              f"{r['moved_mb']:>9.2f}")
+    out = {"rows": rows, "table": res["table"], "spearman": {}}
+    for name, subset in [(m, [r for r in rows if r["mode"] == m]) for m in MODES] + [("all", rows)]:
+        rho = spearman([r["measured_s"] for r in subset], [r["predicted_s"] for r in subset])
+        out["spearman"][name] = rho
+        print(f"Spearman rank correlation, {name} ({len(subset)} grids): {rho:.3f}")
+    print(f"total {time.perf_counter() - t0:.0f} s")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1, default=str)
+    return out
+
+
+if __name__ == "__main__":
+    main()
