@@ -375,3 +375,19 @@ def test_set_on_an_axis_key_warns():
     assert {p.cfg.model.name for p in points} == {"ladder-1m", "ladder-3m", "ladder-10m"}
     with pytest.warns(UserWarning, match="overridden"):
         specs.expand(spec, ["loss.k=8"])
+
+
+def test_paper_preset_grids_run_and_fit_by_the_planner():
+    """The `paper` preset cannot run here, but each size's grid must be one the planner accepts: valid for
+    the model's divisibility, the batch splits, and it fits a 64 GB GPU (Frontier's MI250X GCD)."""
+    from memtrain.planner import PlanConfig, load_network, plan
+
+    net = load_network("frontier")
+    for p in specs.expand(specs.load_spec("paper")):
+        par, train = p.cfg.parallel, p.cfg.train
+        grid = (1, par.x, par.y, par.z)  # data=-1 takes whatever the world size leaves; 1 at the minimum size
+        cfg = PlanConfig(model=p.cfg.model.name, gpus=par.x * par.y * par.z, batch=train.batch_size,
+                         seq=p.cfg.data.seq_len, micro_batch=train.micro_batch_size,
+                         activation_checkpointing=train.activation_checkpointing)
+        plans, summary = plan(cfg, net)
+        assert grid in [q.grid for q in plans], (p.id, summary)
