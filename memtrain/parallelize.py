@@ -123,7 +123,11 @@ class ParallelLM(nn.Module):
         if not getattr(self.model, "supports_gradient_checkpointing", False):
             raise ValueError(f"train.activation_checkpointing=true but {type(self.model).__name__} does not support "
                              "gradient checkpointing in transformers: set it to false")
-        self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        kwargs = {"use_reentrant": False}
+        if hasattr(self.model, "activation_checkpointing_enable"):  # transformers >= 5.x spelling
+            self.model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        else:
+            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
     def num_params(self) -> int:
         """Parameters of the full (unpadded, unsharded) model."""

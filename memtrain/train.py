@@ -183,7 +183,6 @@ def train(cfg: RunConfig, out_dir: str | Path, *, resume: bool = False) -> dict:
     amp = _precision(cfg, device)
     peak = matmul_peak_flops(device, amp or torch.float32)
     flops_per_token = 6 * plm.num_params()
-    loss_axes = plm.loss_reduce_axes
     summary: dict = {}
     progress = _progress(grid, start, total)
     tracker = Tracker.start(cfg, out, grid.rank)
@@ -191,29 +190,10 @@ def train(cfg: RunConfig, out_dir: str | Path, *, resume: bool = False) -> dict:
         t0 = time.perf_counter()
         batch = stream.batch(step % steps_per_epoch, B)
         keep = keep_mask(batch["labels"], batch["doc_pos"], cfg.loss)
-        n_kept = keep.sum().clamp(min=1)
-        ids, labels, keep = batch["input_ids"][rows], batch["labels"][rows], keep[rows]
-        opt.zero_grad(set_to_none=True)
-        sums = torch.zeros(4, dtype=torch.float64)
-        for i in range(0, n_local, mb):
-            sl = slice(i, i + mb)
-            ov = parallel.overlap(plm) if p.overlap else nullcontext()
-            ac = torch.autocast(device.type, dtype=amp) if amp else nullcontext()
-            with ov:
-                with ac:
-                    token_losses = plm.token_losses(ids[sl].to(device), labels[sl].to(device))
-                s = loss_sums(token_losses.float(), keep[sl].to(device), labels[sl].to(device))
-                (s.kept_sum / n_kept).backward()
-            sums += torch.stack([x.detach().double().cpu() for x in s])
-        parallel.sync_gradients(plm, grid)
-        if t.grad_clip > 0:
-            norm = parallel.clip_grad_norm_(plm, t.grad_clip, grid)
-        else:
-            norm = parallel.grad_norm(plm, grid)
         lr = sched.get_last_lr()[0]
-        opt.step()
+        sums, norm = train_step(plm, grid, opt, batch["input_ids"], batch["labels"], keep, mb, amp=amp,
+                                overlap=p.overlap, grad_clip=t.grad_clip)
         sched.step()
-        parallel.comm.all_reduce(sums, grid, loss_axes)
         dt = time.perf_counter() - t0
         tokens = B * stream.seq_len
         record = {
@@ -235,6 +215,38 @@ def train(cfg: RunConfig, out_dir: str | Path, *, resume: bool = False) -> dict:
     checkpoint.save(out, plm, opt, sched, total, {"config_digest": cfg.digest()})
     return summary | {"run_dir": str(out), "steps": total, "grid": grid, "plm": plm, "stream": stream,
                       "tracker": tracker}
+
+
+def train_step(plm, grid: parallel.Grid, opt, input_ids: torch.Tensor, labels: torch.Tensor, keep: torch.Tensor,
+               micro_batch: int, *, amp: torch.dtype | None = None, overlap: bool = True,
+               grad_clip: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """One optimizer step on a global batch (every rank passes the whole batch and takes its own rows).
+
+    Returns the step's global loss sums [kept loss, kept tokens, dropped loss, dropped tokens] (float64,
+    all-reduced) and the global gradient norm before clipping. The planner's byte model is tested against
+    the collectives of exactly this function.
+    """
+    device = next(plm.parameters()).device
+    n_kept = keep.sum().clamp(min=1)  # the global count: every rank sees the whole batch's labels
+    rows = plm.local_rows(input_ids.shape[0])
+    ids, labels, keep = input_ids[rows], labels[rows], keep[rows]
+    opt.zero_grad(set_to_none=True)
+    sums = torch.zeros(4, dtype=torch.float64)
+    for i in range(0, ids.shape[0], micro_batch):
+        sl = slice(i, i + micro_batch)
+        ov = parallel.overlap(plm) if overlap else nullcontext()
+        ac = torch.autocast(device.type, dtype=amp) if amp else nullcontext()
+        with ov:
+            with ac:
+                token_losses = plm.token_losses(ids[sl].to(device), labels[sl].to(device))
+            s = loss_sums(token_losses.float(), keep[sl].to(device), labels[sl].to(device))
+            (s.kept_sum / n_kept).backward()
+        sums += torch.stack([x.detach().double().cpu() for x in s])
+    parallel.sync_gradients(plm, grid)
+    norm = parallel.clip_grad_norm_(plm, grad_clip, grid) if grad_clip > 0 else parallel.grad_norm(plm, grid)
+    opt.step()
+    parallel.comm.all_reduce(sums, grid, plm.loss_reduce_axes)
+    return sums, norm
 
 
 def _progress(grid, start: int, total: int):
