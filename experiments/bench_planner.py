@@ -34,32 +34,15 @@ import parallel
 from memtrain import plan_bytes as pb
 from memtrain import planner
 from memtrain.config import RunConfig
-from memtrain.losses import loss_sums
 from memtrain.models import build_model
 from memtrain.parallelize import parallelize
-from memtrain.train import _optimizer
+from memtrain.train import _optimizer, train_step
 
 MODES = ("sharded", "easy")
 
 
 def grids(world: int) -> list[tuple[int, int, int, int]]:
     return sorted(planner.factorizations(world))
-
-
-def train_step(plm, grid, opt, ids, labels) -> None:
-    """The trainer's step (memtrain/train.py) with one micro-batch and no autocast (CPU)."""
-    rows = plm.local_rows(ids.shape[0])
-    n = (labels != -100).sum()
-    opt.zero_grad(set_to_none=True)
-    with parallel.overlap(plm):
-        losses = plm.token_losses(ids[rows], labels[rows])
-        s = loss_sums(losses, labels[rows] != -100, labels[rows])
-        (s.kept_sum / n).backward()
-    parallel.sync_gradients(plm, grid)
-    parallel.clip_grad_norm_(plm, 1.0, grid)
-    opt.step()
-    sums = torch.stack([x.detach().double() for x in s])
-    parallel.comm.all_reduce(sums, grid, plm.loss_reduce_axes)
 
 
 def worker(rank: int, world: int, args) -> dict:
@@ -82,7 +65,7 @@ def worker(rank: int, world: int, args) -> dict:
             plm, grid, opt = runs[key]
             dist.barrier()
             start = time.perf_counter()
-            train_step(plm, grid, opt, ids, labels)
+            train_step(plm, grid, opt, ids, labels, labels != -100, args.batch, overlap=True)
             elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
             if r >= args.warmup:
