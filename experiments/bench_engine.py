@@ -38,26 +38,18 @@ under the same conditions, they are not a scaling measurement.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import multiprocessing as mp
-import os
-import queue
 import statistics
-import tempfile
 import time
-import traceback
 from contextlib import nullcontext
 
 import torch
+import torch.distributed as dist
+from torch import nn
 
-# The first optimizer built in a process lazily imports torch._dynamo (~1 s per rank): pay it once.
-import torch._dynamo  # noqa: F401,E402
-import torch.distributed as dist  # noqa: E402
-from torch import nn  # noqa: E402
-
-import parallel  # noqa: E402
-from parallel.sharding import full_normal  # noqa: E402
+import parallel
+from parallel.forked import run_ranks
+from parallel.sharding import full_normal
 
 ALL_VARIANTS = ("ddp", "mt-data", "mt-data+bkt", "fsdp2", "mt-z", "mt-z+ov", "mt-x2y2-sh", "mt-x2z2-easy")
 PEER = {"mt-data": "ddp", "mt-data+bkt": "ddp", "mt-z": "fsdp2", "mt-z+ov": "fsdp2", "mt-x2y2-sh": "ddp",
@@ -430,50 +422,6 @@ def profile(variants, names, rank, steps=5):
 
 # ---------------------------------------------------------------------------------------------- launch
 
-def _child(rank, world, init_file, args, q):
-    try:
-        torch.set_num_threads(1)
-        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
-        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=args.pg_timeout))
-        result = worker(rank, world, args)
-        dist.barrier()
-        dist.destroy_process_group()
-        q.put((rank, "ok", result))
-    except BaseException:  # noqa: BLE001 - report everything to the parent
-        q.put((rank, "error", traceback.format_exc()))
-
-
-def run_ranks(world, args):
-    ctx = mp.get_context("fork")
-    q = ctx.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
-        init_file = os.path.join(tmp, "rendezvous")
-        procs = [ctx.Process(target=_child, args=(r, world, init_file, args, q)) for r in range(world)]
-        for p in procs:
-            p.start()
-        results, errors = [None] * world, []
-        try:
-            for _ in range(world):
-                rank, status, payload = q.get(timeout=args.timeout)
-                if status == "ok":
-                    results[rank] = payload
-                else:
-                    errors.append(f"rank {rank}:\n{payload}")
-                    break
-        except queue.Empty:
-            errors.append(f"timed out after {args.timeout:.0f} s")
-        finally:
-            for p in procs:
-                p.join(timeout=5 if not errors else 0.5)
-                if p.is_alive():
-                    p.kill()
-                    p.join()
-    if errors:
-        raise RuntimeError("benchmark failed:\n" + "\n".join(errors))
-    return results[0]
-
-
 # ---------------------------------------------------------------------------------------------- report
 
 def _mb(b) -> str:
@@ -573,7 +521,7 @@ def main(argv=None):
           f"[{args.hidden} -> {4 * args.hidden} -> {args.hidden}], global batch {args.batch} rows, fp32, AdamW; "
           f"{args.warmup} warm-up + {args.steps} timed rounds, variants interleaved\n")
     t0 = time.time()
-    res = run_ranks(args.world, args)
+    res = run_ranks(args.world, worker, args, timeout=args.timeout, pg_timeout=args.pg_timeout)[0]
     summary = report(res, args)
     print(f"\nwall time {time.time() - t0:.0f} s")
     bad = summary.pop("_loss_mismatch")

@@ -18,14 +18,10 @@ measured times also carry compute and scheduling noise, so the correlation is a 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import multiprocessing as mp
 import os
 import statistics
-import tempfile
 import time
-import traceback
 
 import torch
 import torch.distributed as dist
@@ -37,6 +33,7 @@ from memtrain.config import RunConfig
 from memtrain.models import build_model
 from memtrain.parallelize import parallelize
 from memtrain.train import _optimizer, train_step
+from parallel.forked import run_ranks
 
 MODES = ("sharded", "easy")
 
@@ -71,42 +68,6 @@ def worker(rank: int, world: int, args) -> dict:
             if r >= args.warmup:
                 times[key].append(float(elapsed))
     return {"table": table, "times": {k: statistics.median(v) for k, v in times.items()}}
-
-
-def _child(rank, world, init_file, args, q):
-    try:
-        torch.set_num_threads(1)
-        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=300))
-        out = worker(rank, world, args)
-        dist.barrier()
-        dist.destroy_process_group()
-        q.put((rank, "ok", out if rank == 0 else None))
-    except BaseException:  # noqa: BLE001 - report everything to the parent
-        q.put((rank, "error", traceback.format_exc()))
-
-
-def run(world: int, args) -> dict:
-    ctx = mp.get_context("fork")
-    q = ctx.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
-        rdv = os.path.join(tmp, "rendezvous")
-        procs = [ctx.Process(target=_child, args=(r, world, rdv, args, q)) for r in range(world)]
-        for p in procs:
-            p.start()
-        result = None
-        try:
-            for _ in range(world):
-                rank, status, payload = q.get(timeout=args.timeout)
-                if status == "error":
-                    raise RuntimeError(f"rank {rank} failed:\n{payload}")
-                result = payload if rank == 0 else result
-        finally:
-            for p in procs:
-                p.join(timeout=5)
-                if p.is_alive():
-                    p.kill()
-    return result
 
 
 def ranks(values: list[float]) -> list[float]:
@@ -145,7 +106,7 @@ def main(argv=None) -> dict:
     args = ap.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     t0 = time.perf_counter()
-    res = run(args.world, args)
+    res = run_ranks(args.world, worker, args, timeout=args.timeout, pg_timeout=300)[0]
     net = planner.Network(name="measured", gpus_per_node=args.world, gpu_memory_gb=1e6,
                           collectives=res["table"], source="experiments/bench_planner.py")
     shape = pb.shape_of(build_model(args.model, device="meta").config)

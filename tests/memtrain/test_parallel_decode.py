@@ -14,13 +14,13 @@ import time
 
 import pytest
 import torch
-from harness import run_ranks
 from test_parallelize import GRIDS, tiny
 
 import parallel
 from eval.decode import greedy_decode, pad_left
 from memtrain.parallel_decode import ParallelStepper, parallel_greedy_decode, vocab_parallel_argmax
 from memtrain.parallelize import parallelize
+from parallel.forked import run_ranks
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 

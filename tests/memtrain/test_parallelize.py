@@ -28,11 +28,11 @@ from contextlib import nullcontext
 import pytest
 import torch
 import torch.nn.functional as F
-from harness import run_ranks
 
 import parallel
 from memtrain.models import build_model
 from memtrain.parallelize import export_hf, padded_vocab, parallelize
+from parallel.forked import run_ranks
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 

@@ -22,7 +22,6 @@ from collections import Counter
 
 import pytest
 import torch
-from harness import run_ranks
 from test_parallelize import GRIDS, tiny
 
 import parallel
@@ -32,6 +31,7 @@ from memtrain.cli import main as cli_main
 from memtrain.config import RunConfig
 from memtrain.parallelize import parallelize
 from memtrain.train import _optimizer, train_step
+from parallel.forked import run_ranks
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 

@@ -16,8 +16,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from harness import run_ranks
 from safetensors.torch import load_file
+
+from parallel.forked import run_ranks
 
 ROOT = Path(__file__).resolve().parents[2]
 ENV = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", WANDB_MODE="disabled",

@@ -18,10 +18,10 @@ import traceback
 import pytest
 import torch
 import torch.distributed as dist
-from harness import run_ranks
 
 import parallel
 from parallel import grid as grid_mod
+from parallel.forked import run_ranks
 from parallel.grid import _first_slurm_host
 
 LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "SLURM_PROCID", "SLURM_NTASKS",

@@ -11,9 +11,9 @@ from contextlib import nullcontext
 
 import pytest
 import torch
-from harness import run_ranks
 
 import parallel
+from parallel.forked import run_ranks
 from parallel.sharding import full_normal
 
 GRIDS = [(8, 1, 1, 1), (1, 8, 1, 1), (1, 1, 8, 1), (1, 1, 1, 8), (2, 2, 2, 1), (1, 2, 2, 2), (2, 1, 2, 2),

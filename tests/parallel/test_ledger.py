@@ -26,11 +26,11 @@ from contextlib import nullcontext
 
 import pytest
 import torch
-from harness import run_ranks
 from test_layers import GRIDS, MODES
 
 import parallel
 from parallel.comm import Record
+from parallel.forked import run_ranks
 
 IN, OUT, N = 64, 96, 32
 FP32 = 4

@@ -25,10 +25,10 @@ from contextlib import nullcontext
 import pytest
 import torch
 import torch.nn.functional as F
-from harness import run_ranks
 from test_layers import GRIDS, MODES
 
 import parallel
+from parallel.forked import run_ranks
 from parallel.sharding import full_normal
 
 D, HD, N = 32, 64, 32

@@ -1,9 +1,9 @@
-"""Multi-rank test harness: fork N gloo ranks once, run many cases inside, return per-rank results.
+"""Run a function on N gloo ranks forked from this process: CPU tests and benchmarks of the engine.
 
 Forking (not spawning) costs ~0.1 s instead of ~7 s for 8 ranks; the rendezvous is a file:// store in
 a temporary directory (no ports), and every collective is bounded by the process-group timeout.
 A rank that raises sends its traceback to the parent, which raises it; a rank that hangs is killed
-after `timeout` seconds. Case functions should return measurements (errors, norms) rather than
+after `timeout` seconds. Functions should return measurements (errors, norms, times) rather than
 assert, so one bad case never leaves the other ranks stuck in a collective.
 """
 
@@ -19,7 +19,7 @@ import traceback
 
 import torch
 
-# The first optimizer built in a process lazily imports torch._dynamo (~1 s per rank); pay it once.
+# The first optimizer built in a process lazily imports torch._dynamo (~1 s per rank): pay it once, here.
 import torch._dynamo  # noqa: F401
 import torch.distributed as dist
 
@@ -42,7 +42,7 @@ def _child(rank, world_size, init_file, fn, args, q, backend, pg_timeout):
 
 def run_ranks(world_size: int, fn, *args, timeout: float = 600.0, backend: str = "gloo",
               pg_timeout: float = 120.0) -> list:
-    """Run fn(rank, world_size, *args) on `world_size` forked ranks; return results by rank."""
+    """Run fn(rank, world_size, *args) on `world_size` forked ranks (one torch thread each); results by rank."""
     ctx = mp.get_context("fork")
     q = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
