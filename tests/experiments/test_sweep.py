@@ -1,6 +1,6 @@
 """Sweep mechanics with a fake `memtrain` (no training): one results line per point, failures recorded
 while the others finish, --resume after a kill runs only the missing points and loses no line, base
-models pretrained once and reused, presets parse."""
+models pretrained once and reused. (Specs and presets: test_spec.py; launch commands: test_launch.py.)"""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from experiments import launch, sweep
 from experiments import spec as specs
+from experiments import sweep
 from experiments.results import latest_by_point, read_results
 from memtrain.config import tomllib  # tomllib, or tomli on Python 3.10
 
@@ -116,59 +116,6 @@ def launched(log: Path) -> list[dict]:
 
 def results(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines() if line.strip()]
-
-
-def test_expand_ids_axes_and_overrides():
-    spec = specs.parse_spec(tomllib.loads(SPEC), "mini.toml")
-    points = specs.expand(spec, ["train.lr=0.01", "data.seq_len=64"], wandb_mode="offline")
-    assert [p.id for p in points] == IDS
-    p = points[3]
-    assert p.axes == {"model.name": "ladder-3m", "loss": {"kind": "goldfish", "k": 4}}
-    assert p.cfg.model.name == "ladder-3m" and p.cfg.loss.kind == "goldfish" and p.cfg.loss.k == 4
-    assert p.cfg.train.lr == 0.01 and p.cfg.data.seq_len == 64 and p.cfg.train.batch_size == 4
-    assert p.cfg.wandb.group == "mini" and p.cfg.wandb.name == p.id and p.cfg.wandb.mode == "offline"
-    assert len({q.digest for q in points}) == len(points)
-
-
-def test_seeds_named_axes_and_bad_specs():
-    spec = specs.parse_spec({"sweep": {"name": "s"}, "axes": {
-        "seeds": [0, 1], "size": [{"label": "small", "model.name": "ladder-1m", "parallel.z": 1},
-                                  {"model.name": "ladder-3m", "train.micro_batch_size": 2}]}})
-    points = specs.expand(spec)
-    assert [p.id for p in points] == ["seed0_small", "seed0_ladder-3m-micro_batch_size2", "seed1_small",
-                                      "seed1_ladder-3m-micro_batch_size2"]
-    assert points[1].cfg.train.micro_batch_size == 2 and points[2].cfg.train.seed == 1
-    with pytest.raises(ValueError, match="unknown config key"):
-        specs.expand(specs.parse_spec({"axes": {"train.lrr": [1.0]}}))
-    with pytest.raises(ValueError, match="unknown config section"):
-        specs.parse_spec({"axes": {"trian.lr": [1.0]}})
-    with pytest.raises(ValueError, match="non-empty list"):
-        specs.parse_spec({"axes": {"train.lr": 1.0}})
-    with pytest.raises(ValueError, match="whole section"):
-        specs.expand(specs.parse_spec({"axes": {"loss": ["goldfish"]}}))
-    with pytest.raises(ValueError, match="pretrain"):
-        specs.parse_spec({"pretrain": {"stpes": 3}})
-    with pytest.raises(FileNotFoundError, match="neither a file nor a preset"):
-        specs.load_spec("no-such-preset")
-
-
-@pytest.mark.parametrize("name", specs.presets())
-def test_presets_parse(name):
-    assert set(specs.presets()) >= {"quick", "extreme", "goldfish-k", "paper"}
-    spec = specs.load_spec(name)
-    points = specs.expand(spec)
-    assert points and len({p.id for p in points}) == len(points)
-    if name == "quick":
-        models = {p.cfg.model.name for p in points}
-        assert len(models) >= 4 and {p.cfg.loss.kind for p in points} == {"standard", "goldfish"}
-        assert all(p.cfg.train.epochs == 1 for p in points) and points[0].cfg.canaries.copies == [1, 2, 4, 8]
-        assert spec.pretrain.steps > 0
-    if name == "goldfish-k":
-        assert sorted(p.cfg.loss.k for p in points if p.cfg.loss.kind == "goldfish") == [3, 4, 8, 32, 128]
-        assert len({p.cfg.model.name for p in points}) == 1
-    if name == "paper":
-        assert {p.cfg.model.name for p in points} == {"llama-3.1-8b", "llama-3.1-70b", "llama-3.1-405b"}
-        assert spec.pretrain.steps == 0
 
 
 def test_failure_is_recorded_and_the_sweep_goes_on(env, capsys):
@@ -356,38 +303,3 @@ def test_failed_pretraining_fails_its_points_only(env, tmp_path):
     rows = results(tmp_path / "pf")
     assert [r["status"] for r in rows] == ["failed", "ok"] and summary["failed"] == 1
     assert "pretraining ladder-1m failed" in rows[0]["error"] and "exploded" in rows[0]["error"]
-
-
-def test_launch_commands():
-    assert launch.default_command()[1:] == ["-m", "memtrain"]
-    cmd = launch.default_command("torchrun", 4)
-    assert cmd[1:5] == ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4"]
-    assert cmd[-2:] == ["-m", "memtrain"]
-    assert launch.default_command("torchrun", 4, runner="srun -n 4 python -m memtrain") == \
-        ["srun", "-n", "4", "python", "-m", "memtrain"]
-    assert launch.last_line("a\n 10%|#| 1/10\rValueError: x\n\n") == "ValueError: x"
-
-
-def test_set_on_an_axis_key_warns():
-    spec = specs.parse_spec(tomllib.loads(SPEC), "mini.toml")
-    with pytest.warns(UserWarning, match="overridden by the sweep axis"):
-        points = specs.expand(spec, ['model.name="ladder-30m"'])
-    assert {p.cfg.model.name for p in points} == {"ladder-1m", "ladder-3m", "ladder-10m"}
-    with pytest.warns(UserWarning, match="overridden"):
-        specs.expand(spec, ["loss.k=8"])
-
-
-def test_paper_preset_grids_run_and_fit_by_the_planner():
-    """The `paper` preset cannot run here, but each size's grid must be one the planner accepts: valid for
-    the model's divisibility, the batch splits, and it fits a 64 GB GPU (Frontier's MI250X GCD)."""
-    from memtrain.planner import PlanConfig, load_network, plan
-
-    net = load_network("frontier")
-    for p in specs.expand(specs.load_spec("paper")):
-        par, train = p.cfg.parallel, p.cfg.train
-        grid = (1, par.x, par.y, par.z)  # data=-1 takes whatever the world size leaves; 1 at the minimum size
-        cfg = PlanConfig(model=p.cfg.model.name, gpus=par.x * par.y * par.z, batch=train.batch_size,
-                         seq=p.cfg.data.seq_len, micro_batch=train.micro_batch_size,
-                         activation_checkpointing=train.activation_checkpointing)
-        plans, summary = plan(cfg, net)
-        assert grid in [q.grid for q in plans], (p.id, summary)

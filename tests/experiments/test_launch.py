@@ -1,0 +1,13 @@
+"""How a sweep launches runs: the command prefix (local, torchrun, a custom runner) and error lines."""
+
+from experiments import launch
+
+
+def test_launch_commands():
+    assert launch.default_command()[1:] == ["-m", "memtrain"]
+    cmd = launch.default_command("torchrun", 4)
+    assert cmd[1:5] == ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4"]
+    assert cmd[-2:] == ["-m", "memtrain"]
+    assert launch.default_command("torchrun", 4, runner="srun -n 4 python -m memtrain") == \
+        ["srun", "-n", "4", "python", "-m", "memtrain"]
+    assert launch.last_line("a\n 10%|#| 1/10\rValueError: x\n\n") == "ValueError: x"
