@@ -1,6 +1,6 @@
 """Sweep mechanics with a fake `memtrain` (no training): one results line per point, failures recorded
 while the others finish, --resume after a kill runs only the missing points and loses no line, base
-models pretrained once and reused. (Specs and presets: test_spec.py; launch commands: test_launch.py.)"""
+models pretrained once and reused. (Specs and presets: test_spec.py; launch commands: test_sweep_launch.py.)"""
 
 from __future__ import annotations
 
