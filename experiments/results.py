@@ -61,10 +61,6 @@ def now() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
 
 
-def write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 _CANARY_KEYS = ("id", "kind", "copies", "inserted", "exact_match", "token_match", "rouge_l", "longest_prefix",

@@ -53,10 +53,11 @@ import time
 from pathlib import Path
 
 from memtrain.config import RunConfig, to_toml
+from memtrain.files import write_atomic
 
 from .base_models import BaseModelError, BaseModels
 from .launch import Runner, default_command, subprocess_runner, train_tail
-from .results import RESULTS, append_result, latest_by_point, make_record, now, read_results, write_atomic
+from .results import RESULTS, append_result, latest_by_point, make_record, now, read_results
 from .spec import Point, Spec, apply_spec_overrides, expand, load_spec, presets, select, split_overrides
 
 # ---------------------------------------------------------------------------------------------------

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +17,7 @@ import torch
 
 import eval as ev
 from memtrain.data.canaries import render_secret
+from memtrain.files import write_atomic
 
 
 def _eval_canaries(canaries, eos: int, copies_seen: dict[str, int]) -> list[ev.Canary]:
@@ -142,12 +142,8 @@ def evaluate(model, stream, cfg, run_dir: Path, steps: int) -> dict:
                   val_perplexity=val_loss["perplexity"] if val_loss else None,
                   twins=summary(twins), by_copies=by_copies, skipped=ext.skipped, steps=steps,
                   suffix_len=cfg.eval.suffix_len)
-    _write_atomic(run_dir / "eval_canaries.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
-    _write_atomic(run_dir / "eval.json", json.dumps(result, indent=1))
+    write_atomic(run_dir / "eval_canaries.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
+    write_atomic(run_dir / "eval.json", json.dumps(result, indent=1))
     return result | {"rows": rows}
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)

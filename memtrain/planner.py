@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from memtrain import plan_bytes as pb
+from memtrain.files import write_atomic
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -364,17 +365,10 @@ def measure(out: str, sizes_mb, iters: int) -> None:
                "world_size": world, "gpus_per_node": gpn, "intra_node_gbps": best("intra"),
                "inter_node_gbps": best("inter"), "message_mb": list(sizes_mb), "collectives": table_,
                "source": "memtrain plan --measure"}
-        _write_atomic(Path(out), json.dumps(doc, indent=1) + "\n")
+        write_atomic(out, json.dumps(doc, indent=1) + "\n")
         print(f"wrote {out}: all-reduce " + ", ".join(f"{place} {doc[f'{place}_node_gbps']:.3g} GB/s"
               for place in ("intra", "inter") if doc[f"{place}_node_gbps"]) + " (slowest group size)")
     parallel.shutdown()
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    """A crash mid-write never leaves a truncated table where a good one was."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -420,6 +414,6 @@ def main(argv: list[str] | None = None) -> None:
           f"per step (* = groups span nodes; micro = sequences x micro-batches):")
     print(table(plans, args.top))
     if args.json:
-        _write_atomic(Path(args.json), json.dumps(to_json(plans, summary, cfg, net), indent=1) + "\n")
+        write_atomic(args.json, json.dumps(to_json(plans, summary, cfg, net), indent=1) + "\n")
         print(f"wrote {args.json}")
     print(f"planned in {time.perf_counter() - start:.1f} s")

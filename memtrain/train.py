@@ -23,6 +23,7 @@ import parallel
 from memtrain import checkpoint
 from memtrain.config import RunConfig, to_toml
 from memtrain.data import build_stream
+from memtrain.files import write_atomic
 from memtrain.losses import keep_mask, loss_sums
 from memtrain.models import build_model
 from memtrain.parallelize import parallelize
@@ -74,9 +75,7 @@ def _truncate_metrics(path: Path, last_step: int) -> None:
     if not path.is_file():
         return
     kept = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= last_step]
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text("".join(line + "\n" for line in kept))
-    os.replace(tmp, path)
+    write_atomic(path, "".join(line + "\n" for line in kept))
 
 
 def _memory_mb(device: torch.device) -> float:
@@ -123,9 +122,7 @@ def train(cfg: RunConfig, out_dir: str | Path, *, resume: bool = False) -> dict:
             raise ValueError(f"--resume with a different config than {str(saved)!r}: resume with the same "
                              "config, or train into a new --out directory")
     elif grid.rank == 0:
-        tmp = out / "config.toml.tmp"
-        tmp.write_text(to_toml(cfg))
-        os.replace(tmp, out / "config.toml")
+        write_atomic(out / "config.toml", to_toml(cfg))
     if t.deterministic:
         torch.use_deterministic_algorithms(True)
     torch.manual_seed(t.seed)

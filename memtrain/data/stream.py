@@ -32,6 +32,7 @@ from memtrain.data.canaries import Canary, Placement, make_document_canaries, ma
 from memtrain.data.config import CanaryConfig, DataConfig
 from memtrain.data.corpus import load_corpus
 from memtrain.data.tokenizer import encode, load_tokenizer, tokenizer_fingerprint, vocab_size
+from memtrain.files import write_atomic
 
 FORMAT_VERSION = 1
 PAD = -1  # in T only; batches show padding as EOS inputs with label -100
@@ -105,7 +106,7 @@ class TrainStream:
         if path.is_dir() or not path.suffix:
             path = path / "canaries.jsonl"
         lines = [json.dumps(r, ensure_ascii=False) for r in self.manifest(batch_size, data_shards)]
-        _atomic_write(path, ("\n".join(lines) + "\n" if lines else "").encode("utf-8"))
+        write_atomic(path, ("\n".join(lines) + "\n" if lines else "").encode("utf-8"))
         return path
 
 
@@ -200,10 +201,10 @@ def build_stream(data_cfg: DataConfig, canary_cfg: CanaryConfig | None = None, s
             "n_train_docs": len(train), "n_val_docs": len(val_idx), "n_canary_docs": len(held),
             "text_tokens": int(len(text)), "canary_copies": n_copies}
     folder.mkdir(parents=True, exist_ok=True)
-    _atomic_write(folder / "tokens.npy", _npy_bytes(tokens))
-    _atomic_write(folder / "canaries.json", json.dumps([c.to_dict() for c in canaries]).encode())
-    _atomic_write(folder / "val.json", json.dumps([corpus.docs[i].text for i in sorted(val_idx)]).encode())
-    _atomic_write(folder / "meta.json", json.dumps(meta, indent=1).encode())  # last: marks the entry complete
+    write_atomic(folder / "tokens.npy", _npy_bytes(tokens))
+    write_atomic(folder / "canaries.json", json.dumps([c.to_dict() for c in canaries]).encode())
+    write_atomic(folder / "val.json", json.dumps([corpus.docs[i].text for i in sorted(val_idx)]).encode())
+    write_atomic(folder / "meta.json", json.dumps(meta, indent=1).encode())  # last: marks the entry complete
     return TrainStream(tokens, S, canaries, [corpus.docs[i].text for i in sorted(val_idx)], tok, meta)
 
 
@@ -259,8 +260,8 @@ def _tokenized(corpus, tok, cache: Path) -> list[np.ndarray]:
         offsets = np.cumsum([0] + [len(p) for p in parts]).astype(np.int64)
         ids = np.concatenate(parts) if parts else np.zeros(0, np.int32)
         folder.mkdir(parents=True, exist_ok=True)
-        _atomic_write(folder / "ids.npy", _npy_bytes(ids))
-        _atomic_write(folder / "offsets.npy", _npy_bytes(offsets))
+        write_atomic(folder / "ids.npy", _npy_bytes(ids))
+        write_atomic(folder / "offsets.npy", _npy_bytes(offsets))
     return [ids[offsets[i]:offsets[i + 1]] for i in range(len(offsets) - 1)]
 
 
@@ -276,9 +277,3 @@ def _npy_bytes(arr: np.ndarray) -> bytes:
     return buf.getvalue()
 
 
-def _atomic_write(path: Path, data: bytes) -> None:
-    """Write to a temporary name, then rename: readers (other ranks, other runs) never see half a file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
