@@ -26,4 +26,4 @@ lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check .
 
 bench: $(VENV)/.installed
-	$(PY) -m experiments.bench_engine
+	$(PY) -m experiments.bench.engine

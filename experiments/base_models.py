@@ -16,6 +16,7 @@ import warnings
 from pathlib import Path
 
 from memtrain.config import RunConfig, apply_overrides, from_dict, to_toml
+from memtrain.files import replace_dir
 
 from .launch import Runner, train_tail
 from .results import now
@@ -36,7 +37,6 @@ def _lock(path: Path):
         except (ImportError, OSError):  # pragma: no cover - no flock: run unlocked
             pass
         yield
-
 
 
 def cache_root(cfg: RunConfig) -> Path:
@@ -61,11 +61,7 @@ def _saved_tokenizer(tok, root: Path) -> Path:
         tmp = folder.with_name(f".{folder.name}.{os.getpid()}.tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         tok.save_pretrained(str(tmp))
-        folder.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            os.replace(tmp, folder)
-        except OSError:  # another sweep saved it meanwhile
-            shutil.rmtree(tmp, ignore_errors=True)
+        replace_dir(tmp, folder)  # another sweep may have saved the same files meanwhile
     return folder
 
 
@@ -97,9 +93,7 @@ def _disjoint_corpus(data_cfg, ft_corpus, max_docs: int | None, root: Path) -> P
         for i, d in enumerate(rest):
             (tmp / "docs" / f"{i:0{width}d}.txt").write_text(d.text, encoding="utf-8")
         (tmp / "complete").write_text(json.dumps({"source": data_cfg.corpus, "docs": len(rest)}))
-        folder.parent.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(folder, ignore_errors=True)
-        os.replace(tmp, folder)
+        replace_dir(tmp, folder)
     return folder / "docs"
 
 

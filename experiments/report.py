@@ -22,12 +22,14 @@ Several seeds of the same model and loss are averaged; error bars span their min
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import re
 import sys
 from collections import defaultdict
 from pathlib import Path
+
+from experiments.results import latest_by_point, read_results
+from memtrain.files import write_atomic
 
 # Okabe-Ito: distinguishable with the common colour-vision deficiencies.
 PALETTE = ["#D55E00", "#0072B2", "#009E73", "#E69F00", "#56B4E9", "#CC79A7", "#F0E442", "#000000"]
@@ -37,25 +39,6 @@ DPI = 150
 
 # ---------------------------------------------------------------------------------------------------
 # reading
-
-
-def read_rows(path: Path) -> list[dict]:
-    """The last line of every point of a results.jsonl, in order of first appearance."""
-    latest: dict[str, dict] = {}
-    order: list[str] = []
-    for n, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            r = json.loads(line)
-        except json.JSONDecodeError:
-            print(f"warning: {path}:{n} is not valid JSON; ignored", file=sys.stderr)
-            continue
-        key = r.get("point") or f"line{n}"
-        if key not in latest:
-            order.append(key)
-        latest[key] = r
-    return [latest[k] for k in order]
 
 
 def _f(v):
@@ -459,11 +442,7 @@ def write_markdown(rows: list[dict], figs: list[Path], out: Path) -> Path:
     for f in figs:
         rel = f.relative_to(out) if f.is_relative_to(out) else f
         lines += [f"### {f.stem.replace('_', ' ')}", "", f"![{f.stem}]({rel.as_posix()})", ""]
-    path = out / "report.md"
-    tmp = out / ".report.md.tmp"
-    tmp.write_text("\n".join(lines) + "\n")
-    tmp.replace(path)
-    return path
+    return write_atomic(out / "report.md", "\n".join(lines) + "\n")
 
 
 def build_report(results: str | Path, out: str | Path | None = None) -> dict:
@@ -475,7 +454,7 @@ def build_report(results: str | Path, out: str | Path | None = None) -> dict:
         raise FileNotFoundError(f"{str(results)!r} not found: pass a sweep directory or its results.jsonl")
     out = Path(out) if out else results.parent
     out.mkdir(parents=True, exist_ok=True)
-    rows = read_rows(results)
+    rows = list(latest_by_point(read_results(results)).values())
     if not rows:
         raise ValueError(f"{str(results)!r} holds no results yet")
     figs = draw_figures(rows, out / "figures")

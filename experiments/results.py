@@ -1,7 +1,7 @@
 """A sweep's results file and the record of one finished run.
 
 results.jsonl is only ever appended to (one flushed line per finished or failed run), never rewritten;
-the last line of a point wins when it was retried.
+the last line of a point wins when it was retried. Reading it needs no torch (`memtrain plot` starts fast).
 """
 
 from __future__ import annotations
@@ -13,14 +13,17 @@ import os
 import sys
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from memtrain.config import RunConfig
+if TYPE_CHECKING:
+    from memtrain.config import RunConfig
 
 RESULTS = "results.jsonl"
 
 
 def read_results(path: Path) -> list[dict]:
-    """Every parseable line of a results.jsonl (a line cut by a kill is skipped, with a warning)."""
+    """Every record of a results.jsonl (a line cut by a kill, or anything but a JSON object, is skipped with a
+    warning)."""
     rows = []
     if not path.is_file():
         return rows
@@ -28,9 +31,14 @@ def read_results(path: Path) -> list[dict]:
         if not line.strip():
             continue
         try:
-            rows.append(json.loads(line))
+            row = json.loads(line)
         except json.JSONDecodeError:
             print(f"warning: {path}:{n} is not valid JSON (an interrupted write?); ignored", file=sys.stderr)
+            continue
+        if isinstance(row, dict):
+            rows.append(row)
+        else:
+            print(f"warning: {path}:{n} is not a JSON object (a result record); ignored", file=sys.stderr)
     return rows
 
 
@@ -50,16 +58,15 @@ def append_result(path: Path, record: dict) -> None:
 
 
 def latest_by_point(rows: list[dict]) -> dict[str, dict]:
+    """The last record of every point, in order of first appearance (records without a point id stand alone)."""
     out = {}
-    for r in rows:
-        if "point" in r:
-            out[r["point"]] = r
+    for i, r in enumerate(rows):
+        out[r.get("point") or f"#{i}"] = r
     return out
 
 
 def now() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
-
 
 
 

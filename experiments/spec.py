@@ -8,17 +8,11 @@ import dataclasses
 import hashlib
 import json
 import re
-import sys
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from memtrain.config import RunConfig, _parse_value, apply_overrides, from_dict
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover
-    import tomli as tomllib
+from memtrain.config import RunConfig, apply_overrides, from_dict, load_toml, parse_value
 
 PRESETS = Path(__file__).resolve().parent / "presets"
 AXIS_ALIASES = {"seeds": "train.seed", "seed": "train.seed"}
@@ -98,11 +92,7 @@ def resolve_spec_path(spec: str) -> Path:
 
 def load_spec(spec: str | Path) -> Spec:
     path = resolve_spec_path(str(spec))
-    try:
-        raw = tomllib.loads(path.read_text())
-    except tomllib.TOMLDecodeError as e:
-        raise ValueError(f"sweep spec {str(path)!r} is not valid TOML: {e}") from None
-    return parse_spec(raw, source=str(path))
+    return parse_spec(load_toml(path, "sweep spec"), source=str(path))
 
 
 def parse_spec(raw: dict, source: str = "<dict>") -> Spec:
@@ -283,7 +273,7 @@ def apply_spec_overrides(spec: Spec, pre: list[str], sw: list[str]) -> None:
             raise ValueError(f"--set {item!r} is malformed: use section.key=value")
         path, value = item.split("=", 1)
         section, key = path.strip().split(".", 1)
-        value = _parse_value(value.strip())
+        value = parse_value(value.strip())
         if section == "pretrain":
             if key not in {f.name for f in dataclasses.fields(PretrainSpec)}:
                 raise ValueError(f"unknown [pretrain] key {key!r} in --set {item!r}")

@@ -201,7 +201,7 @@ def _report(out: Path, cfg: RunConfig | None, log) -> dict | None:
         return None
     log(f"report: {made['report']}\nfigures: {made['figures_dir']}")
     if cfg is not None and cfg.wandb.mode != "disabled":
-        from memtrain.tracking import Tracker
+        from memtrain.training.tracking import Tracker
 
         tracker = Tracker.start(cfg, out / "report", 0, job_type="report", name=f"{cfg.wandb.group}-report")
         tracker.log_table("results", made.get("table", []))

@@ -1,3 +1,5 @@
+import sys
+
 from memtrain.cli import main
 
-main()
+sys.exit(main())

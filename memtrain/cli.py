@@ -1,4 +1,8 @@
-"""The `memtrain` command: train, eval, sweep, plot, plan, models, config, demo.
+"""The `memtrain` command: train, eval, plan, models, config, and the commands other packages register.
+
+The experiments layer adds sweep, plot and demo through the entry-point group "memtrain.commands"
+(pyproject.toml): memtrain itself never imports the layer above it. A registered command is a function
+`command(argv) -> exit code` whose docstring is its help line.
 
 Bad input ends with one line `memtrain: error: ...` naming the value and the fix, and exit code 2.
 """
@@ -8,31 +12,34 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from importlib.metadata import entry_points
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # no hub on most research clusters' compute nodes
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+COMMAND_GROUP = "memtrain.commands"
+
 
 def _train(args) -> None:
+    import parallel
     from memtrain import config as config_mod
-    from memtrain.train import evaluate_after, train
+    from memtrain.evaluate import evaluate_after
+    from memtrain.training import train
 
     cfg = config_mod.load(args.config, args.set)
     out = Path(args.out or Path("runs") / Path(cfg.model.name).name)
-    summary = train(cfg, out, resume=args.resume)
+    result = train(cfg, out, resume=args.resume)
     if cfg.eval.enabled:
-        evaluate_after(cfg, summary)
-    summary["tracker"].finish()
-    import parallel
-
-    if summary["grid"].rank == 0:
+        evaluate_after(cfg, result)
+    result.tracker.finish()
+    if result.grid.rank == 0:
         print(f"run directory: {out}")
     parallel.shutdown()
 
 
 def _eval(args) -> None:
-    from memtrain.train import evaluate_run
+    from memtrain.evaluate import evaluate_run
 
     result = evaluate_run(Path(args.run), args.checkpoint)
     keys = ("exact_match_rate", "token_match", "rougeL", "pythia_32_score", "exposure_mean", "mia_auc_loss",
@@ -53,30 +60,24 @@ def _config(args) -> None:
     print(describe())
 
 
-def _sweep(argv) -> None:
-    from experiments.sweep import main
-
-    main(argv)
-
-
-def _plot(argv) -> None:
-    from experiments.report import main
-
-    main(argv)
-
-
 def _plan(argv) -> None:
-    from memtrain.planner import main
+    from memtrain.plan.cli import main
 
     main(argv)
 
 
-def main(argv: list[str] | None = None) -> None:
+def registered() -> dict:
+    """Commands other packages registered: name -> entry point (loaded only when run or asked for help)."""
+    return {ep.name: ep for ep in entry_points(group=COMMAND_GROUP)}
+
+
+def main(argv: list[str] | None = None) -> int | None:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] in ("sweep", "plot", "plan"):
-        return _run(lambda: {"sweep": _sweep, "plot": _plot, "plan": _plan}[argv[0]](argv[1:]))
-    if argv and argv[0] == "demo":
-        return _run(lambda: _sweep(["quick", *argv[1:]]))
+    plugins = registered()
+    if argv and argv[0] == "plan":
+        return _run(lambda: _plan(argv[1:]))
+    if argv and argv[0] in plugins:
+        return _run(lambda: plugins[argv[0]].load()(argv[1:]))
     parser = argparse.ArgumentParser(prog="memtrain", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     t = sub.add_parser("train", help="train one run (single process, torchrun or srun)")
@@ -91,17 +92,16 @@ def main(argv: list[str] | None = None) -> None:
     e.set_defaults(fn=_eval)
     sub.add_parser("models", help="list model names").set_defaults(fn=_models)
     sub.add_parser("config", help="every config key with its default and meaning").set_defaults(fn=_config)
-    sub.add_parser("sweep", help="run a memorization sweep: memtrain sweep SPEC [--set ...] [--resume]")
-    sub.add_parser("plot", help="figures and report.md from runs/<sweep>/results.jsonl")
     sub.add_parser("plan", help="rank (data, x, y, z) grids for a model on N GPUs: memtrain plan --model M --gpus N")
-    sub.add_parser("demo", help="the quick memorization sweep (same as `memtrain sweep quick`)")
+    for name, ep in plugins.items():
+        sub.add_parser(name, help=(ep.load().__doc__ or "").strip().splitlines()[0])
     args = parser.parse_args(argv)
     return _run(lambda: args.fn(args))
 
 
-def _run(fn) -> None:
+def _run(fn) -> int | None:
     try:
-        fn()
+        return fn()
     except (ValueError, FileNotFoundError, KeyError) as e:
         msg = str(e).strip("'\"") or type(e).__name__
         print(f"memtrain: error: {msg}", file=sys.stderr)
@@ -109,4 +109,4 @@ def _run(fn) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

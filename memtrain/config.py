@@ -167,11 +167,12 @@ def from_dict(raw: dict) -> RunConfig:
     return RunConfig(**sections)
 
 
-def _parse_value(text: str):
+def parse_value(text: str):
+    """A `--set` value in TOML syntax; anything that does not parse is a bare string."""
     try:
         return tomllib.loads(f"v = {text}")["v"]
     except tomllib.TOMLDecodeError:
-        return text  # a bare string
+        return text
 
 
 def apply_overrides(raw: dict, overrides: list[str]) -> dict:
@@ -187,20 +188,23 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
         names = {f.name for f in dataclasses.fields(classes[section])}
         if key not in names:
             raise ValueError(f"unknown config key {section}.{key}{_closest(key, names)}")
-        raw.setdefault(section, {})[key] = _parse_value(value.strip())
+        raw.setdefault(section, {})[key] = parse_value(value.strip())
     return raw
 
 
+def load_toml(path: str | Path, what: str = "config file") -> dict:
+    """A TOML file as a dict; a missing or malformed file is a one-line error naming it."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{what} {str(path)!r} not found: pass an existing TOML file")
+    try:
+        return tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise ValueError(f"{what} {str(path)!r} is not valid TOML: {e}") from None
+
+
 def load(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
-    raw: dict = {}
-    if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            raise FileNotFoundError(f"config file {str(path)!r} not found: pass an existing TOML file")
-        try:
-            raw = tomllib.loads(path.read_text())
-        except tomllib.TOMLDecodeError as e:
-            raise ValueError(f"config file {str(path)!r} is not valid TOML: {e}") from None
+    raw = load_toml(path) if path is not None else {}
     return from_dict(apply_overrides(raw, overrides or []))
 
 

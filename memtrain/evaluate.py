@@ -1,5 +1,8 @@
 """Evaluate a trained run's memorization of its canaries: extraction, exposure, MIA, validation loss.
 
+    evaluate_after(cfg, result)        # right after `train` (collective; scores on global rank 0)
+    evaluate_run("runs/my-run")        # `memtrain eval --run DIR`: again, from a checkpoint, one process
+
 Each canary is scored as the model saw it in training, i.e. preceded by the EOS that opens it; its
 held-out twin is scored the same way as the non-member control. Evaluation runs on global rank 0
 with the full (gathered) model on one process. Results: eval.json (aggregates, also split by copies)
@@ -16,8 +19,14 @@ import numpy as np
 import torch
 
 import eval as ev
+from memtrain.config import RunConfig
+from memtrain.config import load as load_config
+from memtrain.data import build_stream
 from memtrain.data.canaries import render_secret
 from memtrain.files import write_atomic
+from memtrain.models import build_model
+from memtrain.training import checkpoint
+from memtrain.training.trainer import TrainResult
 
 
 def _eval_canaries(canaries, eos: int, copies_seen: dict[str, int]) -> list[ev.Canary]:
@@ -147,3 +156,43 @@ def evaluate(model, stream, cfg, run_dir: Path, steps: int) -> dict:
     return result | {"rows": rows}
 
 
+def _single_process_model(cfg: RunConfig, stream, state_dict: dict):
+    model = build_model(cfg.model.name, vocab_size=stream.vocab_size, device="cpu",
+                        trust_remote_code=cfg.model.trust_remote_code)
+    missing, unexpected = model.load_state_dict(state_dict, strict=False)
+    tied = set(getattr(model, "_tied_weights_keys", None) or [])
+    if unexpected or [k for k in missing if k not in tied]:
+        raise ValueError(f"checkpoint does not fit model {cfg.model.name!r} (missing {missing[:3]}, "
+                         f"unexpected {unexpected[:3]}): evaluate with the config it was trained with")
+    return model
+
+
+def evaluate_after(cfg: RunConfig, result: TrainResult) -> dict | None:
+    """Collective: gather the trained model, evaluate on global rank 0 (None elsewhere)."""
+    state = result.model.full_state_dict()
+    if result.grid.rank != 0:
+        return None
+    model = _single_process_model(cfg, result.stream, state)
+    scores = evaluate(model, result.stream, cfg, result.run_dir, result.steps)
+    result.tracker.log_eval({k: v for k, v in scores.items() if k != "rows"}, scores["rows"])
+    return scores
+
+
+def evaluate_run(run_dir: Path, checkpoint_path: str | None = None) -> dict:
+    """`memtrain eval --run DIR`: evaluate a finished run again from its checkpoint (one process)."""
+    run_dir = Path(run_dir)
+    cfg_path, run_json = run_dir / "config.toml", run_dir / "run.json"
+    if not cfg_path.is_file() or not run_json.is_file():
+        raise FileNotFoundError(f"{str(run_dir)!r} is not a finished run directory (no config.toml/run.json): "
+                                "pass the --out directory of `memtrain train`")
+    if not (run_dir / "canaries.jsonl").is_file():
+        raise FileNotFoundError(f"{str(run_dir)!r} has no canaries.jsonl manifest: nothing to evaluate")
+    cfg = load_config(cfg_path)
+    stream = build_stream(cfg.data, cfg.canaries, seed=cfg.train.seed)
+    info = json.loads(run_json.read_text())
+    if info.get("stream_key") != stream.key:
+        raise ValueError(f"{str(run_dir)!r} was trained on another stream (tokenizer or data changed): "
+                         "evaluate with the data and tokenizer it was trained with")
+    weights = checkpoint.read_weights(Path(checkpoint_path) if checkpoint_path else run_dir)
+    model = _single_process_model(cfg, stream, weights)
+    return evaluate(model, stream, cfg, run_dir, info["trained"]["steps"])

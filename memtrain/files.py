@@ -1,4 +1,4 @@
-"""Atomic file writes: a temporary name in the same directory, then a rename.
+"""Atomic writes of files and directories: a temporary name in the same directory, then a rename.
 
 A reader (another rank, another run, a resumed sweep) sees the old file or the whole new one, never half a
 file, and a crash mid-write leaves the previous version intact. The temporary name carries the pid, so two
@@ -8,6 +8,7 @@ processes writing the same path never share one.
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 
@@ -18,3 +19,19 @@ def write_atomic(path: str | os.PathLike, data: str | bytes) -> Path:
     tmp.write_bytes(data.encode("utf-8") if isinstance(data, str) else data)
     os.replace(tmp, path)
     return path
+
+
+def replace_dir(tmp: str | os.PathLike, final: str | os.PathLike) -> Path:
+    """Move the complete directory `tmp` to `final`, replacing what was there.
+
+    The old directory is renamed aside before the new one is renamed in, and removed only after: a crash at
+    any point leaves either the old or the new directory at `final` (or, between the two renames, the old
+    one under its aside name), never a half-written one.
+    """
+    tmp, final = Path(tmp), Path(final)
+    old = final.with_name(f".{final.name}.old-{os.getpid()}")
+    if final.exists():
+        os.replace(final, old)
+    os.replace(tmp, final)
+    shutil.rmtree(old, ignore_errors=True)
+    return final

@@ -14,9 +14,10 @@ its document x[p-h], ..., x[p-1] (oldest first), all arithmetic modulo 2**64:
     hash  = mix64(acc)
     drop  iff hash < ceil(2**64 / k)                # probability 1/k
 
-mix64 is the splitmix64 finalizer. This fixes the weaknesses of the reference implementation
-(papers.md B2.4): the window excludes the target itself, permutations hash differently, token id 0 is
-an ordinary token, nothing overflows, and there is no device-dependent random table.
+mix64 is the splitmix64 finalizer. This fixes the weaknesses of the reference implementation (the
+goldfish-loss repository's `apply_goldfish`, hash-table mode): the window excludes the target itself,
+permutations hash differently, token id 0 is an ordinary token, nothing overflows, and there is no
+device-dependent random table.
 
 A target with fewer than h tokens of document context (p < h) is always kept, as in the reference
 implementation. The window is read from the same row's labels (labels[j-h..j-1] are exactly the h tokens
@@ -42,7 +43,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-IGNORE_INDEX = -100
+from parallel import IGNORE_INDEX
 
 _M64 = (1 << 64) - 1
 _M32 = (1 << 32) - 1

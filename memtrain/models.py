@@ -167,7 +167,7 @@ def build_model(name_or_path: str, vocab_size: int | None = None, *, device=None
                          "use the checkpoint's own tokenizer")
     if torch.device(device or "cpu").type == "meta":
         model = _from_config(config, "meta", dtype, seed, trust_remote_code)
-        model._memtrain_weights = str(path)
+        model.memtrain_weights = str(path)  # parallelize loads them, slice by slice, into the shards
         return model
     model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=dtype,
                                                  trust_remote_code=trust_remote_code)

@@ -4,19 +4,29 @@
     fc1 = parallel.Linear(512, 2048, mode="sharded")
     fc2 = parallel.Linear(2048, 512, mode="sharded", transpose=True)
 
-The engine imports nothing else of memtrain; see DESIGN.md section 3 for the algorithm.
+The engine imports nothing else of memtrain. The algorithm is in linear.py's docstring, the rank layout
+in grid.py's, overlap in overlap.py's, the communication ledger in comm.py's.
 """
 
 from .comm import LEDGER, Ledger
-from .embedding import Embedding, LMHead, vocab_parallel_cross_entropy
+from .embedding import (
+    IGNORE_INDEX,
+    ColumnEmbedding,
+    Embedding,
+    LMHead,
+    padded_vocab,
+    vocab_parallel_argmax,
+    vocab_parallel_cross_entropy,
+)
 from .grads import clip_grad_norm_, grad_norm, no_sync, sync_gradients
 from .grid import AXES, Grid, current, init, resolve_degrees, shutdown
 from .linear import Linear
 from .overlap import overlap
-from .sharding import BlockLayout, ShardSpec, spec_of, tag
+from .sharding import BlockLayout, ShardSpec, spec_of, tag, unique_parameters
 
 __all__ = [
-    "AXES", "LEDGER", "BlockLayout", "Embedding", "Grid", "LMHead", "Ledger", "Linear", "ShardSpec",
-    "clip_grad_norm_", "current", "grad_norm", "init", "no_sync", "overlap", "resolve_degrees", "shutdown",
-    "spec_of", "sync_gradients", "tag", "vocab_parallel_cross_entropy",
+    "AXES", "IGNORE_INDEX", "LEDGER", "BlockLayout", "ColumnEmbedding", "Embedding", "Grid", "LMHead", "Ledger",
+    "Linear", "ShardSpec", "clip_grad_norm_", "current", "grad_norm", "init", "no_sync", "overlap",
+    "padded_vocab", "resolve_degrees", "shutdown", "spec_of", "sync_gradients", "tag", "unique_parameters",
+    "vocab_parallel_argmax", "vocab_parallel_cross_entropy",
 ]

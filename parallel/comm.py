@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import warnings
 from collections import defaultdict
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -53,10 +54,7 @@ class Ledger:
 
     def totals(self) -> dict[tuple[str, str], int]:
         """Payload bytes per (operation, axes)."""
-        out: dict[tuple[str, str], int] = defaultdict(int)
-        for r in self.records:
-            out[(r.op, r.axes)] += r.nbytes
-        return dict(out)
+        return totals(self.records)
 
     def moved_by_axes(self) -> dict[str, float]:
         out: dict[str, float] = defaultdict(float)
@@ -66,6 +64,15 @@ class Ledger:
 
 
 LEDGER = Ledger()
+
+
+def totals(records) -> dict[tuple[str, str], int]:
+    """Payload bytes per (operation, axes) of records: a list of them, or a mapping {record: times issued}."""
+    pairs = records.items() if isinstance(records, Mapping) else ((r, 1) for r in records)
+    out: dict[tuple[str, str], int] = defaultdict(int)
+    for r, n in pairs:
+        out[(r.op, r.axes)] += r.nbytes * n
+    return dict(out)
 
 
 class _Done:

@@ -8,16 +8,21 @@ target logit over Y, never the [tokens, V] logits.
 Layouts match the Linear's: the embedding acts like a transposed layer with the vocabulary as its
 in-features (A = Y) and the hidden size as its out-features (B = X). Sharded mode returns
 [rows, H/x] replicated over Y (the input of a normal layer); easy mode returns [rows, H].
+
+Vocabulary padding: a table whose vocabulary does not split over Y (and Z) is padded to `padded_vocab`
+rows. Padded rows are zero and their logits are set to -1e30 before the softmax (`LMHead(valid=...)`),
+so they take exactly zero probability and the loss equals the unpadded model's.
 """
 
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 from . import comm
 from .grid import Grid
-from .linear import FeaturesToRows, RowsToFeatures, ShardedWeight, _MatmulFn
-from .sharding import BlockLayout
+from .linear import FeaturesToRows, MatmulFn, RowsToFeatures, ShardedWeight
+from .sharding import BlockLayout, tag
 
 IGNORE_INDEX = -100
 
@@ -48,14 +53,26 @@ class _EmbedFn(torch.autograd.Function):
         return None, layer.weight_grad(grad), None
 
 
-class Embedding(ShardedWeight):
-    """Token embedding with the table sharded over (Y: vocabulary, X: hidden, Z: flat)."""
+def padded_vocab(vocab: int, hidden: int, grid: Grid) -> int:
+    """Smallest V' >= vocab whose [V', hidden] table splits into Y row blocks, each split over Z."""
+    v = vocab
+    while v % grid.y or (v // grid.y * (hidden // grid.x)) % grid.z:
+        v += 1
+    return v
 
-    def __init__(self, num_embeddings: int, embedding_dim: int, *, mode: str = "easy", grid: Grid | None = None,
-                 init_std: float = 0.02, seed: int = 0, name: str = "embedding", device=None, dtype=None,
-                 cache_weights: bool = False):
+
+class Embedding(ShardedWeight):
+    """Token embedding with the table sharded over (Y: vocabulary, X: hidden, Z: flat).
+
+    `padding_idx` has torch's meaning: that row gets no gradient from the lookup (a tied LM head still
+    trains it, as in HF).
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, *, padding_idx: int | None = None,
+                 mode: str = "easy", grid: Grid | None = None, init_std: float = 0.02, seed: int = 0,
+                 name: str = "embedding", device=None, dtype=None, cache_weights: bool = False):
         super().__init__()
-        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.num_embeddings, self.embedding_dim, self.padding_idx = num_embeddings, embedding_dim, padding_idx
         layout = BlockLayout(num_embeddings, embedding_dim, row_axis="y", col_axis="x")
         self._init_weight(layout, in_axis="y", out_axis="x", mode=mode, grid=grid, init_std=init_std, seed=seed,
                           name=name, device=device, dtype=dtype, cache_weights=cache_weights)
@@ -68,7 +85,10 @@ class Embedding(ShardedWeight):
         out = _EmbedFn.apply(flat, self.weight, self)
         if self.mode == "easy":
             out = RowsToFeatures.apply(out, self.grid, self.out_axis)
-        return out.view(*lead, out.shape[-1])
+        out = out.view(*lead, out.shape[-1])
+        if self.padding_idx is None:
+            return out
+        return torch.where((ids == self.padding_idx).unsqueeze(-1), out.detach(), out)
 
     @torch.no_grad()
     def load_full(self, weight: torch.Tensor) -> None:
@@ -76,6 +96,19 @@ class Embedding(ShardedWeight):
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, mode={self.mode}, shard={tuple(self.weight.shape)}"
+
+
+class ColumnEmbedding(nn.Module):
+    """A small table [rows, H] kept whole in rows and split over X in columns (GPT-2's learned positions):
+    the lookup needs no communication, and its output is the [rows, H/x] residual slice of sharded mode."""
+
+    def __init__(self, rows: int, hidden: int, grid: Grid, device=None, dtype=None):
+        super().__init__()
+        self.weight = tag(nn.Parameter(torch.empty(rows, hidden // grid.x, device=device, dtype=dtype)),
+                          ("x",), ("z", "data"))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return nn.functional.embedding(ids, self.weight)
 
 
 class _VocabParallelCE(torch.autograd.Function):
@@ -138,13 +171,14 @@ class LMHead(ShardedWeight):
 
     `loss(hidden, labels)` returns the per-token loss in the caller's own row layout: [rows] for easy
     mode (hidden [rows, H]), [rows] replicated over X and Y for sharded mode (hidden [rows, H/x]).
+    `valid`: rows >= valid are vocabulary padding (see `padded_vocab`) and can never win the softmax.
     """
 
-    def __init__(self, hidden: int, vocab: int, *, tie_to: Embedding | None = None, mode: str = "easy",
-                 grid: Grid | None = None, init_std: float = 0.02, seed: int = 0, name: str = "lm_head",
-                 device=None, dtype=None, cache_weights: bool = False):
+    def __init__(self, hidden: int, vocab: int, *, valid: int | None = None, tie_to: Embedding | None = None,
+                 mode: str = "easy", grid: Grid | None = None, init_std: float = 0.02, seed: int = 0,
+                 name: str = "lm_head", device=None, dtype=None, cache_weights: bool = False):
         super().__init__()
-        self.hidden, self.vocab = hidden, vocab
+        self.hidden, self.vocab, self.valid = hidden, vocab, vocab if valid is None else valid
         layout = BlockLayout(vocab, hidden, row_axis="y", col_axis="x")
         if tie_to is not None:
             if (tie_to.num_embeddings, tie_to.embedding_dim) != (vocab, hidden) or tie_to.mode != mode:
@@ -161,7 +195,13 @@ class LMHead(ShardedWeight):
         h = hidden.reshape(-1, hidden.shape[-1])
         if self.mode == "easy":
             h = FeaturesToRows.apply(h, self.grid, self.in_axis)
-        return _MatmulFn.apply(h, self.weight, self)
+        logits = MatmulFn.apply(h, self.weight, self)
+        if self.valid < self.vocab:
+            n = logits.shape[-1]
+            start = self.grid.coord(self.out_axis) * n
+            pad = torch.arange(start, start + n, device=logits.device) >= self.valid
+            logits = logits.float().masked_fill(pad, -1e30)  # exp() underflows to exactly 0; stays finite
+        return logits
 
     def loss(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         lead = labels.shape
@@ -177,3 +217,23 @@ class LMHead(ShardedWeight):
     @torch.no_grad()
     def load_full(self, weight: torch.Tensor) -> None:
         self.load_full_weight(weight)
+
+
+def vocab_parallel_argmax(logits: torch.Tensor, grid: Grid, axis, valid: int | None = None) -> torch.Tensor:
+    """Global argmax [N] of logits [N, V/|axis|] split over `axis` (member j holds columns j*V/|axis|...).
+
+    The twin of `vocab_parallel_cross_entropy` for greedy decoding. Columns >= `valid` (vocabulary padding)
+    are never chosen; ties go to the lowest global index, as in `torch.argmax`. Collective over `axis`: one
+    all-gather of N (value, index) pairs per member.
+    """
+    n_local = logits.shape[-1]
+    start = grid.coord(axis) * n_local
+    logits = logits.double()  # exact for float32/bf16 values, and for indices below 2**53
+    if valid is not None and start + n_local > valid:
+        pad = torch.arange(start, start + n_local, device=logits.device) >= valid
+        logits = logits.masked_fill(pad, float("-inf"))
+    value, index = logits.max(dim=-1)  # first maximal index on this member
+    pairs = torch.stack([value, (index + start).double()])  # [2, N]
+    pairs = comm.all_gather(pairs.unsqueeze(0), grid, axis)  # [members, 2, N], member order = index order
+    best = pairs[:, 0].argmax(dim=0)  # first member holding the maximum = lowest global index
+    return pairs[:, 1].gather(0, best.unsqueeze(0)).squeeze(0).long()

@@ -17,7 +17,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from . import comm
 from .grid import Grid
-from .sharding import spec_of
+from .sharding import spec_of, unique_parameters
 
 _SYNC_ENABLED = True
 
@@ -47,23 +47,15 @@ def no_sync():
         _SYNC_ENABLED = prev
 
 
-def _params(model_or_params):
-    if isinstance(model_or_params, torch.nn.Module):
-        return list(model_or_params.parameters())
-    return list(model_or_params)
-
-
 @torch.no_grad()
 def sync_gradients(model_or_params, grid: Grid) -> None:
     """All-reduce (sum) gradients, one flat bucket per distinct set of reduce axes and dtype."""
     if not _SYNC_ENABLED:
         return
     buckets: dict[tuple, list[torch.nn.Parameter]] = defaultdict(list)
-    seen = set()
-    for p in _params(model_or_params):
-        if p.grad is None or id(p) in seen:
+    for p in unique_parameters(model_or_params):
+        if p.grad is None:
             continue
-        seen.add(id(p))
         axes = tuple(a for a in spec_of(p).reduce_axes if grid.size(a) > 1)
         if axes:
             buckets[(axes, p.grad.dtype)].append(p)
@@ -86,15 +78,14 @@ def grad_norm(model_or_params, grid: Grid) -> torch.Tensor:
     """
     total = torch.zeros((), dtype=torch.float64)
     coords = grid.coords
-    seen = set()
-    for p in _params(model_or_params):
-        if p.grad is None or id(p) in seen:
+    params = unique_parameters(model_or_params)
+    for p in params:
+        if p.grad is None:
             continue
-        seen.add(id(p))
         replicated = [a for a in ("x", "y", "z", "data") if a not in spec_of(p).shard_axes]
         if all(coords[a] == 0 for a in replicated):
             total += p.grad.detach().double().pow(2).sum().cpu()
-    dev = next((p.grad.device for p in _params(model_or_params) if p.grad is not None), torch.device("cpu"))
+    dev = next((p.grad.device for p in params if p.grad is not None), torch.device("cpu"))
     total = total.to(dev)
     comm.all_reduce(total, grid, ("x", "y", "z", "data"))
     return total.sqrt()
@@ -103,10 +94,11 @@ def grad_norm(model_or_params, grid: Grid) -> torch.Tensor:
 @torch.no_grad()
 def clip_grad_norm_(model_or_params, max_norm: float, grid: Grid) -> torch.Tensor:
     """Scale gradients so their global norm is at most max_norm; returns the norm before clipping."""
-    norm = grad_norm(model_or_params, grid)
+    params = unique_parameters(model_or_params)
+    norm = grad_norm(params, grid)
     coef = max_norm / (float(norm) + 1e-6)
     if coef < 1.0 and math.isfinite(coef):
-        for p in {id(p): p for p in _params(model_or_params)}.values():
+        for p in params:
             if p.grad is not None:
                 p.grad.mul_(coef)
     return norm.float()

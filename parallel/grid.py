@@ -114,6 +114,10 @@ class Grid:
     def label(self, axes) -> str:
         return "+".join(a for a in _canonical(axes) if getattr(self, a) > 1) or "none"
 
+    def release_groups(self) -> None:
+        """Forget the process groups (before destroy_process_group, or to build another layout)."""
+        self._groups.clear()
+
     def build_groups(self) -> None:
         """Create one group per non-trivial combination of axes (15 at most), members only."""
         live = [a for a in AXES if getattr(self, a) > 1]
@@ -141,7 +145,7 @@ def default_backend() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
-def _first_slurm_host(nodelist: str) -> str:
+def first_slurm_host(nodelist: str) -> str:
     """First host of a SLURM node list such as 'gpu[003-006,9],login1' -> 'gpu003'."""
     m = re.match(r"([^\[,]+)(\[([^\]]+)\])?", nodelist)
     if not m:
@@ -158,7 +162,7 @@ def _launch_env() -> tuple[int, int] | None:
         return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if "SLURM_PROCID" in os.environ and int(os.environ.get("SLURM_NTASKS", "1")) > 1:
         rank, world = int(os.environ["SLURM_PROCID"]), int(os.environ["SLURM_NTASKS"])
-        os.environ.setdefault("MASTER_ADDR", _first_slurm_host(os.environ.get("SLURM_JOB_NODELIST", "")))
+        os.environ.setdefault("MASTER_ADDR", first_slurm_host(os.environ.get("SLURM_JOB_NODELIST", "")))
         os.environ.setdefault("MASTER_PORT", str(29500 + int(os.environ.get("SLURM_JOB_ID", "0")) % 1000))
         os.environ.setdefault("LOCAL_RANK", os.environ.get("SLURM_LOCALID", "0"))
         os.environ["RANK"], os.environ["WORLD_SIZE"] = str(rank), str(world)
@@ -231,7 +235,7 @@ def shutdown() -> None:
     if _GRID is not None:
         # Layers keep the grid; a process group still referenced after destroy_process_group is freed at
         # interpreter exit, where gloo aborts ("terminate called without an active exception") at random.
-        _GRID._groups.clear()
+        _GRID.release_groups()
     _GRID = None
     if dist.is_initialized():
         dist.destroy_process_group()

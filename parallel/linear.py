@@ -1,4 +1,4 @@
-"""The 3D tensor-parallel Linear of AxoNN (DESIGN.md section 3), in two activation contracts.
+"""The 3D tensor-parallel Linear of AxoNN (Singh et al., arXiv 2305.13525), in two activation contracts.
 
 Weight W [out, in]. For a normal layer the in-features split over X (axis A) and the out-features
 over Y (axis B); `transpose=True` swaps them. The [out/|B|, in/|A|] block is flattened and split over
@@ -118,7 +118,10 @@ class ShardedWeight(nn.Module):
         self.weight.copy_(self.layout.shard_of(full.to(self.weight.dtype), self.grid))
 
 
-class _MatmulFn(torch.autograd.Function):
+class MatmulFn(torch.autograd.Function):
+    """y = x W^T over the layer's block (gathered over Z), reduced over its in-feature axis; see the module
+    docstring for the collectives of each direction."""
+
     @staticmethod
     def forward(ctx, x, weight, layer):
         if layer.mode == "easy":
@@ -238,7 +241,7 @@ class Linear(ShardedWeight):
         x2 = x.reshape(-1, x.shape[-1])
         if self.mode == "easy":
             x2 = FeaturesToRows.apply(x2, self.grid, self.in_axis)
-        y = _MatmulFn.apply(x2, self.weight, self)
+        y = MatmulFn.apply(x2, self.weight, self)
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         if self.mode == "easy":

@@ -44,6 +44,17 @@ def spec_of(param: torch.Tensor) -> ShardSpec:
     return getattr(param, "_mt_spec", REPLICATED)
 
 
+def is_tagged(param: torch.Tensor) -> bool:
+    """Whether the engine gave this parameter a ShardSpec (an untagged one is a plain replica)."""
+    return hasattr(param, "_mt_spec")
+
+
+def unique_parameters(module_or_params) -> list[torch.nn.Parameter]:
+    """Parameters of a module (or an iterable of them), each once: a tied weight appears under two names."""
+    params = module_or_params.parameters() if isinstance(module_or_params, torch.nn.Module) else module_or_params
+    return list({id(p): p for p in params}.values())
+
+
 @dataclass(frozen=True)
 class BlockLayout:
     """A [rows, cols] matrix cut into a [rows/|row_axis|, cols/|col_axis|] block, flattened, split over z."""

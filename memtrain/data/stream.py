@@ -33,10 +33,10 @@ from memtrain.data.config import CanaryConfig, DataConfig
 from memtrain.data.corpus import load_corpus
 from memtrain.data.tokenizer import encode, load_tokenizer, tokenizer_fingerprint, vocab_size
 from memtrain.files import write_atomic
+from parallel import IGNORE_INDEX
 
 FORMAT_VERSION = 1
 PAD = -1  # in T only; batches show padding as EOS inputs with label -100
-IGNORE_INDEX = -100
 _VAL_SEED = 0x5EED_0F_7A1  # fixed: the validation split is shared by every stream seed and canary set
 
 

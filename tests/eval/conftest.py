@@ -2,7 +2,8 @@
 
 import pytest
 import torch
-from evalmodels import VOCAB, tiny_model, train_to_memorize
+
+from tests.eval._models import VOCAB, tiny_model, train_to_memorize
 
 
 @pytest.fixture(scope="session")

@@ -8,6 +8,7 @@ import struct
 import pytest
 
 from experiments import report
+from experiments.results import latest_by_point, read_results
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 MODELS = [("ladder-1m", 1_100_000), ("ladder-3m", 3_200_000), ("ladder-10m", 9_800_000), ("ladder-30m", 31_000_000)]
@@ -104,8 +105,8 @@ def test_last_line_per_point_wins_and_torn_lines_are_skipped(tmp_path):
     path = tmp_path / "results.jsonl"
     failed = synthetic_row("ladder-1m", 1_100_000, "standard", status="failed")
     ok = synthetic_row("ladder-1m", 1_100_000, "standard")
-    path.write_text(json.dumps(failed) + "\n" + '{"point": "torn", "sta' + "\n" + json.dumps(ok) + "\n")
-    rows = report.read_rows(path)
+    path.write_text(json.dumps(failed) + "\n" + '{"point": "torn", "sta' + "\n" + "[1, 2]\n" + json.dumps(ok) + "\n")
+    rows = list(latest_by_point(read_results(path)).values())
     assert len(rows) == 1 and rows[0]["status"] == "ok"
     made = report.build_report(path)
     assert "| ok |" in made["report"].read_text()

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import pytest
-from test_sweep import IDS, SPEC
 
 from experiments import spec as specs
 from memtrain.config import tomllib  # tomllib, or tomli on Python 3.10
+from tests.experiments._helpers import IDS, SPEC
 
 
 def test_expand_ids_axes_and_overrides():
@@ -74,7 +74,7 @@ def test_set_on_an_axis_key_warns():
 def test_paper_preset_grids_run_and_fit_by_the_planner():
     """The `paper` preset cannot run here, but each size's grid must be one the planner accepts: valid for
     the model's divisibility, the batch splits, and it fits a 64 GB GPU (Frontier's MI250X GCD)."""
-    from memtrain.planner import PlanConfig, load_network, plan
+    from memtrain.plan import PlanConfig, load_network, plan
 
     net = load_network("frontier")
     for p in specs.expand(specs.load_spec("paper")):

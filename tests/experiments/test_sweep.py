@@ -1,6 +1,6 @@
 """Sweep mechanics with a fake `memtrain` (no training): one results line per point, failures recorded
 while the others finish, --resume after a kill runs only the missing points and loses no line, base
-models pretrained once and reused. (Specs and presets: test_spec.py; launch commands: test_sweep_launch.py.)"""
+models pretrained once and reused. (Specs and presets: test_spec.py; launch commands: test_launch.py.)"""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from experiments import spec as specs
 from experiments import sweep
 from experiments.results import latest_by_point, read_results
 from memtrain.config import tomllib  # tomllib, or tomli on Python 3.10
+from tests.experiments._helpers import IDS, SPEC
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -75,25 +76,6 @@ FAKE = textwrap.dedent('''
                  "rouge_l": 0.1 * i, "generated_text": "x", "exposure": 1.0} for i in range(4)]
         (out / "eval_canaries.jsonl").write_text("".join(json.dumps(r) + "\\n" for r in rows))
 ''')
-
-SPEC = textwrap.dedent('''
-    [sweep]
-    name = "mini"
-    description = "fake runs"
-
-    [base.train]
-    batch_size = 4
-
-    [base.wandb]
-    mode = "disabled"
-
-    [axes]
-    "model.name" = ["ladder-1m", "ladder-3m", "ladder-10m"]
-    loss = [{ kind = "standard" }, { kind = "goldfish", k = 4 }]
-''')
-
-IDS = [f"{m}_{loss}" for m in ("ladder-1m", "ladder-3m", "ladder-10m") for loss in ("standard", "goldfish-k4")]
-
 
 @pytest.fixture
 def env(tmp_path, monkeypatch):

@@ -80,7 +80,7 @@ def test_local_directory(tmp_path):
     again = build_model(str(tmp_path))
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), again.parameters()))
     meta = build_model(str(tmp_path), device="meta")
-    assert meta._memtrain_weights == str(tmp_path) and next(meta.parameters()).device.type == "meta"
+    assert meta.memtrain_weights == str(tmp_path) and next(meta.parameters()).device.type == "meta"
     with pytest.raises(ValueError, match="exceeds the checkpoint's 4096"):
         build_model(str(tmp_path), vocab_size=5000)
 

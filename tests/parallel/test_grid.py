@@ -22,7 +22,8 @@ import torch.distributed as dist
 import parallel
 from parallel import grid as grid_mod
 from parallel.forked import run_ranks
-from parallel.grid import _first_slurm_host
+from parallel.grid import first_slurm_host
+from tests._helpers import grid_id
 
 LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "SLURM_PROCID", "SLURM_NTASKS",
                "SLURM_JOB_NODELIST", "SLURM_JOB_ID", "SLURM_LOCALID")
@@ -103,10 +104,10 @@ def test_init_bad_degrees_fail_before_any_collective(no_pg):
 
 
 def test_slurm_nodelist_first_host():
-    assert _first_slurm_host("localhost") == "localhost"
-    assert _first_slurm_host("gpu[003-006,9],login1") == "gpu003"
-    assert _first_slurm_host("node[7,9-12]") == "node7"
-    assert _first_slurm_host("a1,b2") == "a1"
+    assert first_slurm_host("localhost") == "localhost"
+    assert first_slurm_host("gpu[003-006,9],login1") == "gpu003"
+    assert first_slurm_host("node[7,9-12]") == "node7"
+    assert first_slurm_host("a1,b2") == "a1"
 
 
 # ---------------------------------------------------------------- Linear divisibility checks
@@ -278,7 +279,7 @@ def memory_results():
 
 
 @pytest.mark.parametrize("mode", ["sharded", "easy"])
-@pytest.mark.parametrize("degrees", MEM_GRIDS, ids=lambda g: "d{}x{}y{}z{}".format(*g))
+@pytest.mark.parametrize("degrees", MEM_GRIDS, ids=grid_id)
 def test_sharded_weight_memory_is_one_over_xyz(memory_results, degrees, mode):
     full, per_rank = memory_results
     _, x, y, z = degrees

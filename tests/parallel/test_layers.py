@@ -15,10 +15,8 @@ import torch
 import parallel
 from parallel.forked import run_ranks
 from parallel.sharding import full_normal
+from tests._helpers import GRIDS, LINEAR_OPTIONS, MODES, built_grids, grid_id
 
-GRIDS = [(8, 1, 1, 1), (1, 8, 1, 1), (1, 1, 8, 1), (1, 1, 1, 8), (2, 2, 2, 1), (1, 2, 2, 2), (2, 1, 2, 2),
-         (2, 2, 1, 2)]
-MODES = ("easy", "sharded")
 TOL = 1e-5
 IN, OUT, N = 64, 96, 32
 VOCAB, HID = 128, 32
@@ -117,15 +115,10 @@ def _lm_head_case(grid, mode, tied):
 
 def _worker(rank, world):
     results = {}
-    for degrees in GRIDS:
-        grid = parallel.Grid(*degrees, rank=rank)
-        grid.build_groups()
+    for degrees, grid in built_grids(rank):
         for mode in MODES:
-            for transpose in (False, True):
-                for bias in (False, True):
-                    for ov in (False, True):
-                        results[("linear", degrees, mode, transpose, bias, ov)] = _linear_case(
-                            grid, mode, transpose, bias, ov)
+            for transpose, bias, ov in LINEAR_OPTIONS:
+                results[("linear", degrees, mode, transpose, bias, ov)] = _linear_case(grid, mode, transpose, bias, ov)
             results[("embedding", degrees, mode)] = _embedding_case(grid, mode)
             for tied in (False, True):
                 results[("lm_head", degrees, mode, tied)] = _lm_head_case(grid, mode, tied)
@@ -148,7 +141,7 @@ def results():
 @pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
 @pytest.mark.parametrize("transpose", [False, True], ids=["normal", "transposed"])
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("degrees", GRIDS, ids=lambda g: "d{}x{}y{}z{}".format(*g))
+@pytest.mark.parametrize("degrees", GRIDS, ids=grid_id)
 def test_linear_matches_torch(results, degrees, mode, transpose, bias, ov):
     errors = results[("linear", degrees, mode, transpose, bias, ov)]
     assert set(errors) >= {"output", "input_grad", "weight_grad"}
@@ -156,7 +149,7 @@ def test_linear_matches_torch(results, degrees, mode, transpose, bias, ov):
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("degrees", GRIDS, ids=lambda g: "d{}x{}y{}z{}".format(*g))
+@pytest.mark.parametrize("degrees", GRIDS, ids=grid_id)
 def test_embedding_matches_torch(results, degrees, mode):
     errors = results[("embedding", degrees, mode)]
     assert max(errors.values()) < TOL, errors
@@ -164,7 +157,7 @@ def test_embedding_matches_torch(results, degrees, mode):
 
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("degrees", GRIDS, ids=lambda g: "d{}x{}y{}z{}".format(*g))
+@pytest.mark.parametrize("degrees", GRIDS, ids=grid_id)
 def test_lm_head_loss_matches_torch(results, degrees, mode, tied):
     errors = results[("lm_head", degrees, mode, tied)]
     assert max(errors.values()) < TOL, errors

@@ -1,4 +1,4 @@
-"""parallel.LEDGER records exactly the bytes DESIGN.md section 3 and linear.py's docstring predict.
+"""parallel.LEDGER records exactly the bytes linear.py's and embedding.py's docstrings predict.
 
 One forward + backward + sync_gradients of a parallel.Linear(IN -> OUT) on every 8-rank grid, both modes,
 normal and transposed, with and without bias, overlap off and on (overlap moves when communication happens,
@@ -26,11 +26,11 @@ from contextlib import nullcontext
 
 import pytest
 import torch
-from test_layers import GRIDS, MODES
 
 import parallel
 from parallel.comm import Record
 from parallel.forked import run_ranks
+from tests._helpers import GRIDS, LINEAR_OPTIONS, MODES, built_grids, grid_id
 
 IN, OUT, N = 64, 96, 32
 FP32 = 4
@@ -53,7 +53,7 @@ def _group_size(axes, size):
 
 
 def expected_records(degrees, mode, transpose, bias):
-    """(op, axes label, group size, payload bytes) of every collective, from DESIGN.md's formulas."""
+    """(op, axes label, group size, payload bytes) of every collective, from linear.py's formulas."""
     size = _sizes(degrees)
     A, B = ("y", "x") if transpose else ("x", "y")
     a, b = size[A], size[B]
@@ -123,14 +123,10 @@ def _case(grid, mode, transpose, bias, overlap_on):
 
 def _worker(rank, world):
     results = {}
-    for degrees in GRIDS:
-        grid = parallel.Grid(*degrees, rank=rank)
-        grid.build_groups()
+    for degrees, grid in built_grids(rank):
         for mode in MODES:
-            for transpose in (False, True):
-                for bias in (False, True):
-                    for ov in (False, True):
-                        results[(degrees, mode, transpose, bias, ov)] = _case(grid, mode, transpose, bias, ov)
+            for transpose, bias, ov in LINEAR_OPTIONS:
+                results[(degrees, mode, transpose, bias, ov)] = _case(grid, mode, transpose, bias, ov)
     return results
 
 
@@ -143,7 +139,7 @@ def results():
 @pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
 @pytest.mark.parametrize("transpose", [False, True], ids=["normal", "transposed"])
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("degrees", GRIDS, ids=lambda g: "d{}x{}y{}z{}".format(*g))
+@pytest.mark.parametrize("degrees", GRIDS, ids=grid_id)
 def test_ledger_bytes_match_formula(results, degrees, mode, transpose, bias, ov):
     expected = expected_records(degrees, mode, transpose, bias)
     assert expected, "every grid of GRIDS has a non-trivial axis"

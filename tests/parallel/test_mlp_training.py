@@ -25,11 +25,11 @@ from contextlib import nullcontext
 import pytest
 import torch
 import torch.nn.functional as F
-from test_layers import GRIDS, MODES
 
 import parallel
 from parallel.forked import run_ranks
 from parallel.sharding import full_normal
+from tests._helpers import GRIDS, MODES, grid_id
 
 D, HD, N = 32, 64, 32
 STD, SEED = 0.2, 11
@@ -170,7 +170,7 @@ def test_max_norm_clips_some_steps_but_not_all(results):
     assert any(clipped) and not all(clipped), results["ref_norms"]
 
 
-ids = dict(ids=lambda g: "d{}x{}y{}z{}".format(*g))
+ids = dict(ids=grid_id)
 
 
 @pytest.mark.parametrize("ov", [False, True], ids=["sync", "overlap"])

@@ -1,0 +1,23 @@
+"""The `memtrain` commands of the experiments layer, registered in pyproject.toml under the entry-point
+group "memtrain.commands" (memtrain/cli.py finds them there; memtrain never imports this layer)."""
+
+from __future__ import annotations
+
+
+def sweep(argv: list[str]) -> int:
+    """run a memorization sweep: memtrain sweep SPEC [--set ...] [--resume]"""
+    from experiments.sweep import main
+
+    return main(argv)
+
+
+def plot(argv: list[str]) -> int:
+    """figures and report.md from runs/<sweep>/results.jsonl"""
+    from experiments.report import main
+
+    return main(argv)
+
+
+def demo(argv: list[str]) -> int:
+    """the quick memorization sweep (same as `memtrain sweep quick`)"""
+    return sweep(["quick", *argv])

@@ -1,0 +1,17 @@
+"""transformers models on the 4D engine: per-architecture plans, parallelization, sharded greedy decoding.
+
+    from memtrain.hf import parallelize
+    plm = parallelize(build_model("ladder-10m", vocab_size=4096, device="meta"), grid, mode="auto", seed=0)
+
+architectures.py  one object per architecture: block layers, ends, init rule, checkpoint names
+slots.py          how each HF tensor maps onto this rank's shard (seeded init, loading, gathering)
+parallelize.py    `parallelize` and the resulting `ParallelLM`; `export_hf`
+decode.py         batched greedy decoding with a KV cache on a parallelized model
+"""
+
+from memtrain.hf.architectures import ARCHITECTURES, Architecture, Shape, architecture_of
+from memtrain.hf.decode import ParallelStepper, parallel_greedy_decode
+from memtrain.hf.parallelize import ParallelLM, export_hf, parallelize
+
+__all__ = ["ARCHITECTURES", "Architecture", "ParallelLM", "ParallelStepper", "Shape", "architecture_of",
+           "export_hf", "parallel_greedy_decode", "parallelize"]

@@ -1,0 +1,122 @@
+"""Batched greedy decoding with a KV cache on a parallelized model (any grid, sharded and easy mode).
+
+    tokens = parallel_greedy_decode(plm, prefixes, n_new=50, batch_size=16)   # [N, n_new], every rank
+
+Every rank passes the same prefixes. They are sorted by length (as `eval.greedy_decode` does), cut into
+global batches of `batch_size` rows per rank, left-padded to the batch's longest prefix, and split over
+the data-parallel rows like training batches (`plm.local_rows`: over (z, data) in sharded mode, over all
+ranks in easy mode). Each local batch is decoded by eval's own loop (`eval.decode.greedy_decode_batch`,
+the positions and masks of `generate`) through a `ParallelStepper`, and the tokens are all-gathered back
+into input order on every rank.
+
+Lockstep: the engine's layers issue collectives in every forward (weight all-gathers over Z, reductions
+over X and Y, and in easy mode row exchanges over the plane), so every rank must run the same number of
+forward passes with the same shapes. Hence every global batch has the same width on every rank, and its
+row count is rounded up to a multiple of the row groups with dummy rows (copies of a real prefix whose
+tokens are dropped).
+
+Vocabulary-parallel argmax (`parallel.vocab_parallel_argmax`): the LM head's logits stay split over its
+vocabulary axis (Y); one all-gather of each member's (max, first index) over Y picks the winner, ties going
+to the lowest index as in `torch.argmax`. The HF modules inside the ParallelLM handle `past_key_values`,
+attention masks and position ids themselves; the KV cache holds this rank's heads only (sharded mode) or all
+heads (easy).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from contextlib import contextmanager
+
+import torch
+
+from eval.decode import HFStepper, greedy_decode_batch, pad_left
+from parallel import comm, vocab_parallel_argmax
+
+
+class ShardedLogits:
+    """The last position's logits, split over the LM head's vocabulary axis; never whole on one rank.
+
+    Stands in for the [B, V] tensor a stepper returns: `argmax(-1)` (all `greedy_decode_batch` asks of
+    it) is the vocabulary-parallel argmax, a collective over the vocabulary axis.
+    `local`: sharded mode [B, V/y] (this rank's rows); easy mode [y*B, V/y] (the rows of the Y members
+    sharing this rank's X column, member j's rows at chunk j, as `LMHead.logits` returns them).
+    """
+
+    def __init__(self, local: torch.Tensor, head, rows: int):
+        self.local, self.head, self.rows = local, head, rows
+
+    def argmax(self, dim: int = -1) -> torch.Tensor:
+        if dim not in (-1, 1):
+            raise ValueError("sharded logits only support argmax over the vocabulary (dim=-1)")
+        head = self.head
+        tokens = vocab_parallel_argmax(self.local, head.grid, head.out_axis, head.valid)
+        if head.mode == "easy":  # every Y member got the whole column's rows: keep this rank's chunk
+            i = head.grid.coord(head.out_axis)
+            tokens = tokens[i * self.rows:(i + 1) * self.rows]
+        return tokens
+
+
+class ParallelStepper(HFStepper):
+    """`eval.decode` stepper for a ParallelLM: returns `ShardedLogits` of the last position.
+
+    Collective: every rank of the grid must call it in lockstep with same-shaped inputs (easy mode), or
+    at least the same number of times (sharded mode: ranks of one X x Y plane share rows). Usable with
+    `eval.greedy_decode` / `extraction_eval` directly when every rank passes the same prefixes (each
+    rank then decodes all of them); `parallel_greedy_decode` splits the rows over data parallelism.
+    """
+
+    def __init__(self, plm):
+        super().__init__(plm.model)  # new_cache: eval's preallocated KV cache, sized by the local heads
+        self.plm = plm
+
+    def __call__(self, input_ids, attention_mask, position_ids, cache):
+        out = self.plm.model.base_model(input_ids=input_ids, attention_mask=attention_mask,
+                                        position_ids=position_ids, past_key_values=cache, use_cache=True)
+        hidden = out[0][:, -1]  # [B, H/x] (sharded) or [B, H] (easy)
+        return ShardedLogits(self.plm.head.logits(hidden), self.plm.head, input_ids.shape[0]), out.past_key_values
+
+
+@contextmanager
+def _eval_mode(module):
+    was = module.training
+    module.eval()
+    try:
+        yield
+    finally:
+        module.train(was)
+
+
+@torch.inference_mode()
+def parallel_greedy_decode(plm, prefixes: Sequence[Sequence[int]], n_new: int, batch_size: int = 64,
+                           pad_id: int = 0) -> torch.Tensor:
+    """Greedy continuations [len(prefixes), n_new] int64 on CPU, input order, on every rank.
+
+    Collective over the whole grid; every rank passes the same prefixes. `batch_size`: rows per rank per
+    forward pass (a global batch is batch_size times the number of row groups). Equals
+    `model.generate(do_sample=False, max_new_tokens=n_new)` token for token up to ties within rounding
+    (no EOS stopping). The model runs in eval mode (dropout off) and is put back as it was.
+    """
+    if n_new < 1:
+        raise ValueError(f"n_new={n_new}: decode at least one token")
+    if batch_size < 1:
+        raise ValueError(f"batch_size={batch_size}: use at least one row per rank")
+    grid, axes = plm.grid, plm.row_axes
+    groups = grid.size(axes)
+    device = next(plm.parameters()).device
+    step = ParallelStepper(plm)
+    order = sorted(range(len(prefixes)), key=lambda i: len(prefixes[i]))
+    result = torch.empty((len(prefixes), n_new), dtype=torch.long)
+    with _eval_mode(plm):
+        for start in range(0, len(order), batch_size * groups):
+            idx = order[start:start + batch_size * groups]
+            rows = -(-len(idx) // groups) * groups  # round up: every row group gets the same count
+            seqs = [prefixes[i] for i in idx] + [prefixes[idx[0]]] * (rows - len(idx))  # dummies: shortest
+            ids, mask = pad_left(seqs, pad_id)
+            local = plm.local_rows(rows)
+            gen = greedy_decode_batch(step, ids[local].to(device), mask[local].to(device), n_new)
+            gen = comm.all_gather(gen.contiguous(), grid, axes)  # [rows, n_new] in row order
+            result[torch.as_tensor(idx)] = gen[:len(idx)].cpu()
+    return result
+
+
+__all__ = ["ParallelStepper", "ShardedLogits", "parallel_greedy_decode"]

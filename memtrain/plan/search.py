@@ -1,0 +1,188 @@
+"""Which (data, x, y, z) grid to train a model with on N GPUs, decided before launching.
+
+For every factorization of N the model's sizes and the batch allow (the architectures' divisibility rules),
+the planner estimates per-rank memory (parameters, gradients, AdamW state, activations) and drops grids that
+do not fit the device; then it predicts the communication time of one optimizer step from cost.py's exact
+records, each at the bandwidth of where its group sits (network.py), and ranks grids by that time, as in
+AxoNN. Compute is the same work split N ways on every grid, so it does not change the order and is not
+modelled.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+from dataclasses import asdict, dataclass
+
+from memtrain.hf.architectures import architecture_of
+from memtrain.plan import cost
+from memtrain.plan.network import GB, Network, inside_node
+from parallel import Grid
+
+
+@dataclass
+class PlanConfig:
+    """What to plan: the model, the GPU count and the training step (the flags of `memtrain plan`)."""
+
+    model: str
+    """A named model (`memtrain models`) or a local HF directory (its config.json)."""
+    gpus: int
+    batch: int | None = None
+    """Global batch in sequences (None: one per GPU)."""
+    seq: int = 2048
+    """Tokens per sequence."""
+    micro_batch: int | None = None
+    """Sequences per rank per forward/backward; None: the largest divisor of the rank's share that fits."""
+    mode: str = "auto"
+    """'sharded', 'easy' or 'auto' (sharded for the architectures memtrain/hf/architectures.py plans)."""
+    precision: str = "bf16"
+    """'bf16' (autocast over fp32 parameters, the trainer on GPUs) or 'fp32'."""
+    param_bytes: int = 4
+    """Bytes per parameter (the trainer keeps fp32 parameters, gradients and AdamW state)."""
+    activation_checkpointing: bool = False
+
+
+@dataclass
+class Plan:
+    data: int
+    x: int
+    y: int
+    z: int
+    micro_batch: int
+    micro_batches: int
+    seconds: float
+    """Predicted communication time of one optimizer step."""
+    moved_bytes: float
+    """Bytes one rank sends per step (ring model)."""
+    memory: dict
+    """Bytes per rank: params, grads, optimizer, activations, total."""
+    axes: dict
+    """Per axes label: payload bytes, moved bytes, seconds, whether its groups stay inside a node."""
+
+    @property
+    def grid(self) -> tuple[int, int, int, int]:
+        return self.data, self.x, self.y, self.z
+
+
+def load_config(model: str):
+    """The transformers config of a named model or a local HF directory (ValueError names the choices)."""
+    from memtrain.models import get_config
+
+    if os.path.isdir(model):
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(model)
+    return get_config(model)
+
+
+def resolve_mode(config, mode: str) -> str:
+    if mode not in ("auto", "sharded", "easy"):
+        raise ValueError(f"unknown mode {mode!r}: use sharded, easy or auto")
+    if mode == "auto":
+        return "sharded" if architecture_of(config).sharded else "easy"
+    return mode
+
+
+def factorizations(n: int):
+    """Every (data, x, y, z) whose product is n."""
+    divs = [d for d in range(1, n + 1) if n % d == 0]
+    for data in divs:
+        for x in (d for d in divs if (n // data) % d == 0):
+            for y in (d for d in divs if (n // data // x) % d == 0):
+                yield data, x, y, n // data // x // y
+
+
+def evaluate(shape, grid: Grid, mode: str, cfg: PlanConfig, net: Network, micro: int) -> Plan:
+    """Predicted time, bytes and memory of one grid at a given micro-batch."""
+    kw = dict(precision=cfg.precision, param_bytes=cfg.param_bytes)
+    records = cost.step_records(shape, grid, mode, cfg.batch, cfg.seq, micro,
+                                checkpointing=cfg.activation_checkpointing, **kw)
+    axes: dict[str, dict] = {}
+    for r, n in records.items():
+        inside = inside_node(grid, r.axes.split("+"), net.gpus_per_node)
+        a = axes.setdefault(r.axes, {"payload": 0, "moved": 0.0, "seconds": 0.0, "inside_node": inside})
+        a["payload"] += n * r.nbytes
+        a["moved"] += n * r.moved_bytes
+        a["seconds"] += n * net.seconds(r, inside)
+    memory = cost.state_bytes(shape, grid, mode, cfg.param_bytes)
+    memory["activations"] = cost.activation_bytes(shape, grid, mode, micro * cfg.seq,
+                                                  checkpointing=cfg.activation_checkpointing, **kw)
+    memory["total"] = sum(memory.values())
+    local = cfg.batch // cost.rows_split(grid, mode)
+    return Plan(grid.data, grid.x, grid.y, grid.z, micro, local // micro,
+                sum(a["seconds"] for a in axes.values()), sum(a["moved"] for a in axes.values()), memory, axes)
+
+
+def plan(cfg: PlanConfig, net: Network) -> tuple[list[Plan], dict]:
+    """All grids that run and fit, fastest first, and a summary of what was dropped and why."""
+    if cfg.gpus < 1:
+        raise ValueError(f"--gpus {cfg.gpus} is invalid: plan for at least 1 GPU")
+    cfg.batch = cfg.batch or cfg.gpus
+    for what, v in (("batch", cfg.batch), ("seq", cfg.seq), ("micro-batch", cfg.micro_batch or 1)):
+        if v < 1:
+            raise ValueError(f"--{what} {v} is invalid: it must be at least 1")
+    if cfg.precision not in ("bf16", "fp32"):
+        raise ValueError(f"unknown precision {cfg.precision!r}: use bf16 or fp32")
+    config = load_config(cfg.model)
+    mode = resolve_mode(config, cfg.mode)
+    shape = cost.shape_of(config)
+    limit = net.gpu_memory_gb * GB
+    plans, rejected, least = [], Counter(), None
+    for d in factorizations(cfg.gpus):
+        grid = Grid(*d)
+        why = cost.check(shape, grid, mode, cfg.batch, cfg.micro_batch)
+        if why:
+            rejected[why] += 1
+            continue
+        local = cfg.batch // cost.rows_split(grid, mode)
+        micros = [cfg.micro_batch] if cfg.micro_batch else [m for m in range(local, 0, -1) if local % m == 0]
+        state = sum(cost.state_bytes(shape, grid, mode, cfg.param_bytes).values())
+        for micro in micros:  # the largest micro-batch that fits: fewest weight gathers per step
+            total = state + cost.activation_bytes(
+                shape, grid, mode, micro * cfg.seq, precision=cfg.precision, param_bytes=cfg.param_bytes,
+                checkpointing=cfg.activation_checkpointing)
+            if total <= limit:
+                plans.append(evaluate(shape, grid, mode, cfg, net, micro))
+                break
+        else:
+            rejected[f"needs more than {net.gpu_memory_gb:g} GB per GPU"] += 1
+            least = total if least is None else min(least, total)
+    plans.sort(key=lambda p: (p.seconds, p.memory["total"], p.grid))
+    summary = {"model": cfg.model, "family": shape.family, "mode": mode, "grids": sum(rejected.values()) + len(plans),
+               "valid": len(plans), "rejected": dict(rejected), "least_memory_over_limit": least}
+    if not plans:
+        raise ValueError(_no_plan(cfg, mode, rejected, least))
+    return plans, summary
+
+
+def _no_plan(cfg: PlanConfig, mode: str, rejected: Counter, least) -> str:
+    reasons = "; ".join(f"{why} ({n} grid{'s' if n > 1 else ''})" for why, n in rejected.most_common(4))
+    hint = ""
+    if least is not None:
+        hint = (f" (the smallest needs {least / GB:.1f} GB): use more GPUs, --activation-checkpointing, a "
+                "smaller --micro-batch or --seq")
+    return f"no grid of {cfg.gpus} GPUs runs {cfg.model} in {mode} mode with batch {cfg.batch}: {reasons}{hint}"
+
+
+# ---------------------------------------------------------------------------------------------------
+# Output.
+
+
+def table(plans: list[Plan], top: int) -> str:
+    head = (f"{'rank':>4} {'data':>5} {'x':>4} {'y':>4} {'z':>4} {'micro':>9} {'comm s':>9} {'GB sent':>9} "
+            f"{'state GB':>9} {'act GB':>8} {'total GB':>9}  slowest axes")
+    lines = [head]
+    for i, p in enumerate(plans[:top], 1):
+        worst = sorted(p.axes.items(), key=lambda kv: -kv[1]["seconds"])[:2]
+        slow = ", ".join(f"{k}{'' if v['inside_node'] else '*'} {v['seconds']:.3g}s" for k, v in worst)
+        m = p.memory
+        state = m["params"] + m["grads"] + m["optimizer"]
+        lines.append(f"{i:>4} {p.data:>5} {p.x:>4} {p.y:>4} {p.z:>4} {f'{p.micro_batch}x{p.micro_batches}':>9} "
+                     f"{p.seconds:>9.4g} {p.moved_bytes / GB:>9.4g} {state / GB:>9.4g} "
+                     f"{m['activations'] / GB:>8.4g} {m['total'] / GB:>9.4g}  {slow}")
+    return "\n".join(lines)
+
+
+def to_json(plans: list[Plan], summary: dict, cfg: PlanConfig, net: Network) -> dict:
+    return {"config": asdict(cfg), "network": asdict(net), "summary": summary,
+            "plans": [dict(asdict(p), rank=i) for i, p in enumerate(plans, 1)]}

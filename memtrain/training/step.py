@@ -1,0 +1,86 @@
+"""One optimizer step on the grid, and what it needs: the AdamW groups, the LR schedule, the autocast dtype.
+
+Normalization is what makes grids interchangeable: every rank reads the whole global batch's labels (cheap),
+so the number of supervised tokens N of the step is known everywhere without communication; each
+micro-batch back-propagates sum(kept token losses) / N and gradients are summed over ranks. Gradient
+accumulation, data parallelism and Goldfish dropping therefore never change the result.
+"""
+
+from __future__ import annotations
+
+import math
+from contextlib import nullcontext
+
+import torch
+
+import parallel
+from memtrain.config import RunConfig
+from memtrain.losses import loss_sums
+
+
+def autocast_dtype(cfg: RunConfig, device: torch.device) -> torch.dtype | None:
+    """The matmul dtype under autocast (None: plain fp32)."""
+    p = cfg.train.precision
+    if p not in ("auto", "fp32", "bf16"):
+        raise ValueError(f"train.precision={p!r} is invalid: use 'auto', 'fp32' or 'bf16'")
+    if p == "bf16" or (p == "auto" and device.type == "cuda"):
+        return torch.bfloat16
+    return None
+
+
+def build_optimizer(plm, cfg: RunConfig) -> torch.optim.AdamW:
+    """AdamW over this rank's shards: matrices (every engine weight is a matrix shard) decay; norms and biases
+    do not."""
+    params = [p for p in parallel.unique_parameters(plm) if p.requires_grad]
+    decay = [p for p in params if parallel.spec_of(p).shard_axes == ("x", "y", "z") or p.dim() >= 2]
+    rest = [p for p in params if all(p is not q for q in decay)]
+    t = cfg.train
+    return torch.optim.AdamW([{"params": decay, "weight_decay": t.weight_decay},
+                              {"params": rest, "weight_decay": 0.0}],
+                             lr=t.lr, betas=(t.beta1, t.beta2), eps=1e-8)
+
+
+def build_schedule(opt, cfg: RunConfig, total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+    """Linear warm-up to train.lr, then a cosine decay to train.min_lr at `total_steps`."""
+    t = cfg.train
+
+    def factor(step: int) -> float:
+        if step < t.warmup_steps:
+            return (step + 1) / (t.warmup_steps + 1)
+        progress = (step - t.warmup_steps) / max(1, total_steps - t.warmup_steps)
+        cosine = 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+        return (t.min_lr + (t.lr - t.min_lr) * cosine) / t.lr
+
+    return torch.optim.lr_scheduler.LambdaLR(opt, factor)
+
+
+def train_step(plm, grid: parallel.Grid, opt, input_ids: torch.Tensor, labels: torch.Tensor, keep: torch.Tensor,
+               micro_batch: int, *, amp: torch.dtype | None = None, overlap: bool = True,
+               grad_clip: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """One optimizer step on a global batch (every rank passes the whole batch and takes its own rows).
+
+    Returns the step's global loss sums [kept loss, kept tokens, dropped loss, dropped tokens] (float64,
+    all-reduced) and the global gradient norm before clipping. The planner's byte model is tested against
+    the collectives of exactly this function.
+    """
+    device = next(plm.parameters()).device
+    n_kept = keep.sum().clamp(min=1)  # the global count: every rank sees the whole batch's labels
+    rows = plm.local_rows(input_ids.shape[0])
+    ids, labels, keep = input_ids[rows], labels[rows], keep[rows]
+    opt.zero_grad(set_to_none=True)
+    sums = torch.zeros(4, dtype=torch.float64)
+    for i in range(0, ids.shape[0], micro_batch):
+        sl = slice(i, i + micro_batch)
+        ov = parallel.overlap(plm) if overlap else nullcontext()
+        ac = torch.autocast(device.type, dtype=amp) if amp else nullcontext()
+        with ov:
+            with ac:
+                token_losses = plm.token_losses(ids[sl].to(device), labels[sl].to(device))
+            s = loss_sums(token_losses.float(), keep[sl].to(device), labels[sl].to(device))
+            (s.kept_sum / n_kept).backward()
+        sums += torch.stack([x.detach().double().cpu() for x in s])
+    parallel.sync_gradients(plm, grid)
+    norm = parallel.clip_grad_norm_(plm, grad_clip, grid) if grad_clip > 0 else parallel.grad_norm(plm, grid)
+    opt.step()
+    parallel.comm.all_reduce(sums, grid, plm.row_axes)
+    return sums, norm

@@ -1,0 +1,221 @@
+"""One training run: build the stream and the model, parallelize it over the grid, train, checkpoint.
+
+    result = train(cfg, "runs/my-run")          # a TrainResult; evaluate with memtrain.evaluate
+
+The same code runs as one process and under torchrun/SLURM. The step itself (normalization, micro-batches,
+gradient sync, clipping) is memtrain/training/step.py; this file is the loop around it: run directory,
+resume, schedule, metrics, progress, checkpoints.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+import parallel
+from memtrain.config import RunConfig, to_toml
+from memtrain.config import load as load_config
+from memtrain.data import TrainStream, build_stream
+from memtrain.files import write_atomic
+from memtrain.hf import ParallelLM, parallelize
+from memtrain.losses import keep_mask
+from memtrain.models import build_model
+from memtrain.training import checkpoint
+from memtrain.training.perf import matmul_peak_flops
+from memtrain.training.step import autocast_dtype, build_optimizer, build_schedule, train_step
+from memtrain.training.tracking import Tracker
+
+
+@dataclass
+class TrainResult:
+    """What a finished `train` leaves for evaluation (every rank holds its own, rank 0 the reduced metrics)."""
+
+    run_dir: Path
+    steps: int
+    """Optimizer steps trained in all (the schedule's length)."""
+    last: dict
+    """The final step's metrics record (as written to metrics.jsonl)."""
+    grid: parallel.Grid
+    model: ParallelLM
+    stream: TrainStream
+    tracker: Tracker
+
+
+def _append_jsonl(path: Path, record: dict) -> None:
+    with open(path, "a") as f:
+        f.write(json.dumps(record) + "\n")
+        f.flush()
+
+
+def _truncate_metrics(path: Path, last_step: int) -> None:
+    """On resume, keep metrics of steps the checkpoint covers (later lines came from the lost run)."""
+    if not path.is_file():
+        return
+    kept = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= last_step]
+    write_atomic(path, "".join(line + "\n" for line in kept))
+
+
+def _memory_mb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def setup(cfg: RunConfig, grid: parallel.Grid):
+    """The run's stream and its model parallelized over the grid, at the seeded initialization."""
+    stream = _build_stream_once_per_node(cfg, grid)
+    hf = build_model(cfg.model.name, vocab_size=stream.vocab_size, device="meta",
+                     trust_remote_code=cfg.model.trust_remote_code)
+    plm = parallelize(hf, grid, mode=cfg.parallel.mode, seed=cfg.train.seed)
+    return stream, plm
+
+
+def _build_stream_once_per_node(cfg: RunConfig, grid: parallel.Grid):
+    """Local rank 0 builds the stream (tokenizer training, tokenization, packing) into the cache first; the
+    node's other ranks then read it. Built by every rank at once, the same work ran N times over on the
+    node's cores (4 ranks on 2 cores: minutes instead of seconds for the default corpus)."""
+    first = int(os.environ.get("LOCAL_RANK", "0")) == 0
+    stream = build_stream(cfg.data, cfg.canaries, seed=cfg.train.seed) if first else None
+    if grid.world_size > 1:
+        torch.distributed.barrier()
+    return stream if first else build_stream(cfg.data, cfg.canaries, seed=cfg.train.seed)
+
+
+def train(cfg: RunConfig, out_dir: str | Path, *, resume: bool = False,
+          on_setup: Callable[[TrainStream, ParallelLM], None] | None = None,
+          on_step: Callable[[dict], None] | None = None) -> TrainResult:
+    """Train one run into `out_dir`.
+
+    on_setup(stream, model): called once the parallelized model holds its initial weights (before resuming).
+    on_step(record): called after every step with its metrics record (benchmarks interleave their own work).
+    """
+    p = cfg.parallel
+    grid = parallel.init(data=p.data, x=p.x, y=p.y, z=p.z, backend=p.backend)
+    out = Path(out_dir)
+    t = cfg.train
+    if grid.rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+    if resume:
+        saved = out / "config.toml"
+        if not saved.is_file():
+            raise FileNotFoundError(f"--resume: {str(out)!r} has no config.toml: it is not a run directory")
+        if load_config(saved).digest() != cfg.digest():
+            raise ValueError(f"--resume with a different config than {str(saved)!r}: resume with the same "
+                             "config, or train into a new --out directory")
+    elif grid.rank == 0:
+        write_atomic(out / "config.toml", to_toml(cfg))
+    if t.deterministic:
+        torch.use_deterministic_algorithms(True)
+    torch.manual_seed(t.seed)
+
+    stream, plm = setup(cfg, grid)
+    if cfg.model.init:
+        plm.load_hf_state_dict(checkpoint.read_weights(cfg.model.init))
+    if on_setup is not None:
+        on_setup(stream, plm)
+    if t.activation_checkpointing:
+        plm.enable_activation_checkpointing()
+    B = t.batch_size
+    if B % grid.size(("z", "data")) or (plm.mode == "easy" and B % grid.world_size):
+        raise ValueError(f"train.batch_size={B} does not split over the grid ({plm.mode} mode, "
+                         f"data={grid.data} z={grid.z} world={grid.world_size}): use a multiple of "
+                         f"{grid.world_size if plm.mode == 'easy' else grid.size(('z', 'data'))}")
+    rows = plm.local_rows(B)
+    n_local = rows.stop - rows.start
+    mb = t.micro_batch_size or n_local
+    if n_local % mb:
+        raise ValueError(f"train.micro_batch_size={mb} does not divide this rank's {n_local} sequences per step")
+    steps_per_epoch = len(stream) // B  # a short last batch would not split over the grid: dropped
+    if steps_per_epoch < 1:
+        raise ValueError(f"the stream has {len(stream)} sequences, fewer than train.batch_size={B}: "
+                         "use a smaller batch or a larger corpus")
+    total = steps_per_epoch * t.epochs
+    if t.max_steps is not None:
+        total = min(total, t.max_steps)
+
+    opt = build_optimizer(plm, cfg)
+    sched = build_schedule(opt, cfg, total)
+    start = 0
+    metrics_path = out / "metrics.jsonl"
+    if resume:
+        ckpt = checkpoint.latest(out)
+        if ckpt is None:
+            raise FileNotFoundError(f"--resume: no checkpoint in {str(out / 'checkpoints')!r}")
+        model_sd, opt_sd, state = checkpoint.read(ckpt)
+        plm.load_hf_state_dict(model_sd)
+        checkpoint.scatter_optimizer(plm, opt, opt_sd, state["step"])
+        sched.load_state_dict(state["scheduler"])
+        for group, lr in zip(opt.param_groups, sched.get_last_lr()):  # load_state_dict leaves these stale
+            group["lr"] = lr
+        torch.set_rng_state(torch.tensor(state["rng"], dtype=torch.uint8))
+        start = state["step"]
+        if grid.rank == 0:
+            _truncate_metrics(metrics_path, start)
+    if grid.rank == 0:
+        trained = {"steps": total, "epochs": t.epochs}
+        stream.write_manifest(out, B, grid.data if plm.mode == "sharded" else grid.world_size)
+        (out / "run.json").write_text(json.dumps({"stream_key": stream.key, "trained": trained,
+                                                   "grid": {a: getattr(grid, a) for a in parallel.AXES},
+                                                   "mode": plm.mode, "params": plm.num_params()}))
+
+    device = next(plm.parameters()).device
+    amp = autocast_dtype(cfg, device)
+    peak = matmul_peak_flops(device, amp or torch.float32)
+    flops_per_token = 6 * plm.num_params()
+    last: dict = {}
+    progress = _progress(grid, start, total)
+    tracker = Tracker.start(cfg, out, grid.rank)
+    for step in range(start, total):
+        t0 = time.perf_counter()
+        batch = stream.batch(step % steps_per_epoch, B)
+        keep = keep_mask(batch["labels"], batch["doc_pos"], cfg.loss)
+        lr = sched.get_last_lr()[0]
+        sums, norm = train_step(plm, grid, opt, batch["input_ids"], batch["labels"], keep, mb, amp=amp,
+                                overlap=p.overlap, grad_clip=t.grad_clip)
+        sched.step()
+        dt = time.perf_counter() - t0
+        tokens = B * stream.seq_len
+        record = {
+            "step": step + 1, "loss": float(sums[0] / max(sums[1], 1)), "lr": lr,
+            "tokens": tokens * (step + 1), "tokens_per_s": tokens / dt, "step_time_s": dt,
+            "grad_norm": float(norm), "kept_fraction": float(sums[1] / max(sums[1] + sums[3], 1)),
+            "loss_kept": float(sums[0] / max(sums[1], 1)),
+            "loss_dropped": float(sums[2] / sums[3]) if sums[3] > 0 else None,
+            "mfu": flops_per_token * tokens / dt / (peak * grid.world_size), "memory_mb": _memory_mb(device),
+            "epoch": step // steps_per_epoch,
+        }
+        last = record
+        if grid.rank == 0 and ((step + 1) % t.log_every == 0 or step + 1 == total):
+            _append_jsonl(metrics_path, record)
+            tracker.log(record, step + 1)
+        progress(record)
+        if on_step is not None:
+            on_step(record)
+        if t.checkpoint_every and (step + 1) % t.checkpoint_every == 0 and step + 1 < total:
+            checkpoint.save(out, plm, opt, sched, step + 1, {"config_digest": cfg.digest()})
+    checkpoint.save(out, plm, opt, sched, total, {"config_digest": cfg.digest()})
+    return TrainResult(out, total, last, grid, plm, stream, tracker)
+
+
+def _progress(grid, start: int, total: int):
+    """A tqdm bar on global rank 0 only; other ranks stay silent."""
+    if grid.rank != 0:
+        return lambda record: None
+    from tqdm import tqdm
+
+    bar = tqdm(total=total, initial=start, unit="step", dynamic_ncols=True, leave=False)
+
+    def update(record):
+        bar.update(1)
+        bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}")
+        if record["step"] == total:
+            bar.close()
+
+    return update

@@ -1,0 +1,134 @@
+"""Greedy decoding on a parallelized model (8 gloo ranks) vs transformers' `generate` on one process.
+
+The tiny models of tests/_helpers.py (Llama with GQA, GPT-NeoX, GPT-2 with a vocabulary of 99 that
+is padded on Y=2 and Y=8) with a larger init (std 0.3, so greedy decoding is not stuck on one token)
+decode a batch of prefixes of mixed lengths on every 8-rank grid in sharded and easy mode. The tokens
+must equal `model.generate(do_sample=False, max_new_tokens=N_NEW)` of the plain HF model with the same
+weights, token for token, on every rank. Ten prefixes with 4 rows per rank: 1 global batch of 10 (+6
+dummy rows) on 8 row groups, 2 batches on 2 or 4 groups, 3 on 1 group, so dummy rows, several batches
+and lockstep are all exercised.
+"""
+
+import os
+import time
+
+import pytest
+import torch
+
+import parallel
+from eval.decode import greedy_decode, pad_left
+from memtrain.hf import ParallelStepper, parallel_greedy_decode, parallelize
+from parallel import vocab_parallel_argmax
+from parallel.forked import run_ranks
+from tests._helpers import GRIDS, MODES, grid_id
+from tests.memtrain._models import tiny
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+FAMILIES = ("llama", "neox", "gpt2")
+SEED, STD, N_NEW, BATCH = 3, 0.3, 6, 4
+LENGTHS = [3, 1, 7, 5, 2, 8, 4, 6, 3, 2]  # + N_NEW <= 16 = GPT-2's n_positions
+
+
+def model(fam, device=None):
+    return tiny(fam, device, initializer_range=STD)
+
+
+def prefixes(vocab):
+    g = torch.Generator().manual_seed(7)
+    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in LENGTHS]
+
+
+def reference(fam):
+    """The engine's seeded weights in the plain HF model, and generate on the left-padded batch."""
+    init = parallelize(model(fam, "meta"), parallel.Grid(1, 1, 1, 1), seed=SEED, device="cpu").full_state_dict()
+    hf = model(fam)
+    hf.load_state_dict(init, strict=not hf.config.tie_word_embeddings)
+    hf.eval()
+    hf.generation_config.eos_token_id = None  # always exactly N_NEW tokens
+    hf.generation_config.pad_token_id = 0
+    ids, mask = pad_left(prefixes(hf.config.vocab_size))
+    with torch.no_grad():
+        return hf.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=N_NEW)[:, ids.shape[1]:]
+
+
+def _argmax_cases(grid):
+    """vocab_parallel_argmax against torch.argmax: ties across members, padding with the largest values."""
+    y = grid.y
+    v_local = 5
+    full = torch.randint(0, 4, (6, y * v_local), generator=torch.Generator().manual_seed(1)).float()
+    full[0] = 2.0  # all tied: index 0
+    full[1, -1] = 9.0  # the largest value is in the padding: must not win
+    valid = y * v_local - 2
+    local = full[:, grid.coord("y") * v_local:(grid.coord("y") + 1) * v_local]
+    got = vocab_parallel_argmax(local, grid, "y", valid)
+    return torch.equal(got, full[:, :valid].argmax(-1))
+
+
+def _worker(rank, world, refs):
+    out = {}
+    for degrees in GRIDS:
+        grid = parallel.Grid(*degrees, rank=rank)
+        grid.build_groups()
+        out[("argmax", degrees)] = _argmax_cases(grid)
+        for fam in FAMILIES:
+            for mode in MODES:
+                plm = parallelize(model(fam, "meta"), grid, mode, seed=SEED, device="cpu")
+                out[(degrees, fam, mode)] = parallel_greedy_decode(plm, prefixes(plm.config.vocab_size), N_NEW,
+                                                                   batch_size=BATCH)
+                if degrees == (2, 2, 2, 1):
+                    # The stepper alone through eval's own list API: every rank decodes every prefix.
+                    out[("stepper", fam, mode)] = greedy_decode(ParallelStepper(plm), prefixes(plm.config.vocab_size),
+                                                                N_NEW, batch_size=BATCH)
+    return out
+
+
+@pytest.fixture(scope="module")
+def results():
+    refs = {fam: reference(fam) for fam in FAMILIES}
+    t = time.perf_counter()
+    per_rank = run_ranks(8, _worker, refs)
+    print(f"8 ranks: {time.perf_counter() - t:.1f} s")
+    return refs, per_rank
+
+
+def test_references_are_not_degenerate(results):
+    refs, _ = results
+    for fam, ref in refs.items():
+        assert ref.shape == (len(LENGTHS), N_NEW)
+        assert len(set(ref.flatten().tolist())) >= 15, (fam, ref)  # of 60 tokens
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("fam", FAMILIES)
+@pytest.mark.parametrize("degrees", GRIDS, ids=grid_id)
+def test_decode_matches_generate(results, degrees, fam, mode):
+    refs, per_rank = results
+    for rank, out in enumerate(per_rank):
+        got = out[(degrees, fam, mode)]
+        assert torch.equal(got, refs[fam]), (rank, got, refs[fam])
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("fam", FAMILIES)
+def test_stepper_with_eval_greedy_decode(results, fam, mode):
+    refs, per_rank = results
+    for out in per_rank:
+        assert torch.equal(out[("stepper", fam, mode)], refs[fam])
+
+
+@pytest.mark.parametrize("degrees", GRIDS, ids=grid_id)
+def test_vocab_parallel_argmax_ties_and_padding(results, degrees):
+    assert all(out[("argmax", degrees)] for out in results[1])
+
+
+def test_single_process_and_bad_inputs():
+    plm = parallelize(model("gpt2", "meta"), parallel.Grid(1, 1, 1, 1), "easy", seed=SEED, device="cpu")
+    plm.train()
+    got = parallel_greedy_decode(plm, prefixes(99), N_NEW, batch_size=3)
+    assert torch.equal(got, reference("gpt2")) and plm.training  # decoded in eval mode, mode restored
+    assert parallel_greedy_decode(plm, [], N_NEW).shape == (0, N_NEW)
+    with pytest.raises(ValueError, match="at least one token"):
+        parallel_greedy_decode(plm, [[1], []], N_NEW)
+    with pytest.raises(ValueError, match="n_new=0"):
+        parallel_greedy_decode(plm, [[1]], 0)

@@ -1,0 +1,180 @@
+"""`memtrain train` end to end: run directory contents, resume after a kill, resharding, bad input.
+
+Resume and resharding compare float32 tensors: a resumed single-process run repeats the same
+operations on the same values (checkpoints hold full fp32 tensors), so it must be bitwise equal;
+logits after loading a checkpoint into another grid differ only by summation order (1e-5 relative).
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import sysconfig
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from parallel.forked import run_ranks
+
+ROOT = Path(__file__).resolve().parents[3]
+ENV = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", WANDB_MODE="disabled",
+           OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+
+
+@pytest.fixture(scope="module")
+def recipe(tmp_path_factory):
+    corpus = tmp_path_factory.mktemp("corpus")
+    for p in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))[::4][:40]:
+        (corpus / f"{p.stem}.txt").write_text(p.read_text("utf-8")[:6000])
+    cache = tmp_path_factory.mktemp("cache")
+    path = tmp_path_factory.mktemp("recipe") / "tiny.toml"
+    path.write_text(f"""
+[model]
+name = "ladder-1m"
+[train]
+batch_size = 8
+max_steps = 6
+lr = 3e-3
+warmup_steps = 2
+[data]
+corpus = "{corpus}"
+vocab_size = 512
+seq_len = 64
+cache_dir = "{cache}"
+[canaries]
+number = 2
+copies = [1, 2]
+length = 24
+secret_groups = 2
+[eval]
+suffix_len = 8
+exposure_samples = 64
+val_docs = 8
+[wandb]
+mode = "disabled"
+""")
+    return path
+
+
+def memtrain(*args, timeout=600):
+    return subprocess.run([sys.executable, "-m", "memtrain", *map(str, args)], capture_output=True, text=True,
+                          env=ENV, cwd=ROOT, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def finished_run(recipe, tmp_path_factory):
+    out = tmp_path_factory.mktemp("run")
+    r = memtrain("train", "--config", recipe, "--out", out)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return out
+
+
+def test_run_directory_has_everything(finished_run):
+    lines = [json.loads(x) for x in (finished_run / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in lines] == list(range(1, 7))
+    for key in ("loss", "lr", "tokens", "tokens_per_s", "mfu", "memory_mb", "kept_fraction"):
+        assert all(x[key] is not None for x in lines), key
+    assert lines[-1]["loss"] < lines[0]["loss"]
+    result = json.loads((finished_run / "eval.json").read_text())
+    for key in ("exact_match_rate", "token_match", "rougeL", "pythia_32_score", "exposure_mean", "mia_auc_loss",
+                "val_loss", "by_copies"):
+        assert key in result, key
+    rows = (finished_run / "eval_canaries.jsonl").read_text().splitlines()
+    assert len(rows) == 2 * 2 * 2  # 2 kinds x 2 canaries, each with its twin
+    assert (finished_run / "canaries.jsonl").is_file() and (finished_run / "config.toml").is_file()
+    assert (finished_run / "checkpoints" / "latest").read_text().strip() == "step_000006"
+
+
+def test_eval_command_reproduces_eval_json(finished_run):
+    before = json.loads((finished_run / "eval.json").read_text())
+    r = memtrain("eval", "--run", finished_run)
+    assert r.returncode == 0, r.stderr[-2000:]
+    after = json.loads((finished_run / "eval.json").read_text())
+    assert after["exact_match_rate"] == before["exact_match_rate"]
+    assert after["val_loss"] == pytest.approx(before["val_loss"], rel=1e-6)
+
+
+def test_resume_after_kill_equals_uninterrupted(recipe, tmp_path):
+    sets = ["--set", "train.max_steps=12", "--set", "train.checkpoint_every=4", "--set", "eval.enabled=false"]
+    full = tmp_path / "full"
+    r = memtrain("train", "--config", recipe, "--out", full, *sets)
+    assert r.returncode == 0, r.stderr[-2000:]
+    cut = tmp_path / "cut"
+    proc = subprocess.Popen([sys.executable, "-m", "memtrain", "train", "--config", str(recipe), "--out", str(cut),
+                             *sets], env=ENV, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 300
+    while not (cut / "checkpoints" / "latest").is_file() and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    killed_at = (cut / "checkpoints" / "latest").read_text().strip()
+    assert killed_at != "step_000012", "the run finished before it could be killed"
+    r = memtrain("train", "--config", recipe, "--out", cut, "--resume", *sets)
+    assert r.returncode == 0, r.stderr[-2000:]
+    a = load_file(str(full / "checkpoints" / "step_000012" / "model.safetensors"))
+    b = load_file(str(cut / "checkpoints" / "step_000012" / "model.safetensors"))
+    assert a.keys() == b.keys()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    steps = [json.loads(x)["step"] for x in (cut / "metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(1, 13))
+
+
+def _losses_on_grid(rank, world, degrees, recipe, ckpt):
+    import parallel
+    from memtrain.config import load
+    from memtrain.training import checkpoint, setup
+
+    cfg = load(recipe)
+    if degrees is not None:
+        grid = parallel.init(*degrees)
+    else:
+        grid = parallel.Grid(1, 1, 1, 1)
+    stream, plm = setup(cfg, grid)
+    plm.load_hf_state_dict(checkpoint.read_weights(ckpt))
+    batch = stream.batch(0, 8)
+    rows = plm.local_rows(8)
+    with torch.no_grad():
+        losses = plm.token_losses(batch["input_ids"][rows], batch["labels"][rows])
+    return rows.start, losses
+
+
+def test_checkpoint_reshards_across_grids(recipe, finished_run):
+    ckpt = finished_run / "checkpoints" / "step_000006"
+    reference = {}
+    for degrees in [(2, 2, 2, 1), (8, 1, 1, 1), (1, 2, 2, 2)]:
+        for start, losses in run_ranks(8, _losses_on_grid, degrees, recipe, ckpt):
+            reference.setdefault(degrees, {})[start] = losses
+    single = run_ranks(1, _losses_on_grid, None, recipe, ckpt)[0][1]
+    for degrees, parts in reference.items():
+        merged = torch.cat([parts[s] for s in sorted(parts)])
+        assert merged.shape == single.shape, degrees
+        err = float((merged - single).abs().max() / single.abs().max())
+        assert err < 1e-5, (degrees, err)
+
+
+@pytest.mark.parametrize("args, expect", [
+    (["--set", "model.name=ladder-9z"], "ladder-"),
+    (["--set", "train.sed=1"], "did you mean 'seed'"),
+    (["--set", "parallel.x=3"], "world size"),
+    (["--resume"], "config.toml"),
+])
+def test_bad_input_is_one_clear_line(recipe, tmp_path, args, expect):
+    r = memtrain("train", "--config", recipe, "--out", tmp_path / "bad", *args)
+    assert r.returncode == 2, r.stderr[-2000:]
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("memtrain: error:") and expect in last, r.stderr[-2000:]
+
+
+def test_resume_with_other_config_and_corrupt_checkpoint(recipe, finished_run, tmp_path):
+    r = memtrain("train", "--config", recipe, "--out", finished_run, "--resume", "--set", "train.seed=5")
+    assert r.returncode == 2 and "different config" in r.stderr
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "state.json").write_text("{}")
+    (broken / "model.safetensors").write_bytes(b"not a safetensors file")
+    r = memtrain("eval", "--run", finished_run, "--checkpoint", broken)
+    assert r.returncode == 2 and "corrupt" in r.stderr.splitlines()[-1]
