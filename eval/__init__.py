@@ -22,6 +22,7 @@ from .metrics import (
     match_metrics,
     rouge_l,
     rouge_l_batch,
+    rouge_l_text,
     token_match_fraction,
 )
 from .mia import mia_eval, mia_scores, min_k_pp_score, min_k_score, roc_metrics
@@ -31,6 +32,6 @@ __all__ = [
     "Canary", "ExposureResult", "ExtractionResult", "HFStepper", "SeqLogprobs", "SlotSpace", "Stepper",
     "as_canary", "exact_match", "exposure", "extraction_eval", "greedy_decode", "greedy_decode_batch",
     "lcs_length", "longest_matching_prefix", "match_metrics", "mia_eval", "mia_scores", "min_k_pp_score",
-    "min_k_score", "pad_left", "roc_metrics", "rouge_l", "rouge_l_batch", "secret_log_perplexities",
+    "min_k_score", "pad_left", "roc_metrics", "rouge_l", "rouge_l_batch", "rouge_l_text", "secret_log_perplexities",
     "sequence_logprobs", "token_match_fraction", "validation_loss",
 ]

@@ -1,8 +1,11 @@
-"""Match metrics between generated and true token-id sequences.
+"""Match metrics between generated and true token-id sequences, and ROUGE-L on text.
 
-All metrics work on token ids, not text: the memorization question is whether the model reproduces the
-training tokens, and ids avoid any dependence on detokenization. ROUGE-L is computed here from a local
-longest-common-subsequence (the `evaluate` package's rouge fetches its script from the Hub).
+The metrics work on token ids: the memorization question is whether the model reproduces the training
+tokens, and ids avoid any dependence on detokenization. For comparison with papers that score decoded text
+(the Goldfish paper's ROUGE-L), `rouge_l_text` scores two strings after the `rouge_score` package's default
+tokenization (lower case, every run of characters other than a-z and 0-9 a separator, no stemming).
+ROUGE-L is computed here from a local longest-common-subsequence (the `evaluate` package's rouge fetches
+its script from the Hub).
 
 The batched functions take equal-length rows (the extraction case: every suffix has n tokens) as
 [N, n] arrays and vectorize over N; the scalar functions accept any two sequences.
@@ -10,6 +13,7 @@ The batched functions take equal-length rows (the extraction case: every suffix 
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 
 import numpy as np
@@ -81,6 +85,18 @@ def rouge_l_batch(generated, reference) -> np.ndarray:
 def rouge_l(generated: Sequence[int], reference: Sequence[int]) -> float:
     """ROUGE-L F1 of two sequences of any lengths (0 when either is empty)."""
     return float(_f1(lcs_length(generated, reference), max(len(generated), 1), max(len(reference), 1)))
+
+
+def text_tokens(text: str) -> list[str]:
+    """rouge_score's default tokenizer: lower case, split on anything but letters a-z and digits."""
+    return re.sub(r"[^a-z0-9]+", " ", text.lower()).split()
+
+
+def rouge_l_text(generated: str, reference: str) -> float:
+    """ROUGE-L F1 of two texts over `text_tokens` words (0 when either has no word)."""
+    g, r = text_tokens(generated), text_tokens(reference)
+    vocab = {w: i for i, w in enumerate(dict.fromkeys(g + r))}
+    return rouge_l([vocab[w] for w in g], [vocab[w] for w in r])
 
 
 def match_metrics(generated, reference) -> dict[str, np.ndarray]:

@@ -5,38 +5,24 @@ other presets reuse it."""
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import hashlib
 import json
 import os
 import shutil
+import threading
 import time
 import warnings
 from pathlib import Path
 
 from memtrain.config import RunConfig, apply_overrides, from_dict, to_toml
-from memtrain.files import replace_dir
+from memtrain.files import file_lock, replace_dir
 
 from .launch import Runner, train_tail
 from .results import now
 from .spec import PretrainSpec, label
 
 BASE_VERSION = 1
-
-
-@contextlib.contextmanager
-def _lock(path: Path):
-    """An exclusive advisory lock (two sweeps building the same base wait for each other)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w") as f:
-        try:
-            import fcntl
-
-            fcntl.flock(f, fcntl.LOCK_EX)
-        except (ImportError, OSError):  # pragma: no cover - no flock: run unlocked
-            pass
-        yield
 
 
 def cache_root(cfg: RunConfig) -> Path:
@@ -100,18 +86,21 @@ def _disjoint_corpus(data_cfg, ft_corpus, max_docs: int | None, root: Path) -> P
 def pretrain_config(cfg: RunConfig, pre: PretrainSpec, corpus: str | None = None, tokenizer: str | None = None,
                     max_docs: int | None = None) -> RunConfig:
     """The pretraining run of a fine-tuning config: same model, parallel grid and data layout, no canaries,
-    standard loss, no evaluation, `pre.steps` steps."""
+    standard loss, `pre.steps` steps, evaluated for validation loss only."""
     raw = cfg.to_dict()
     batch = pre.batch_size or cfg.train.batch_size
     micro = cfg.train.micro_batch_size if cfg.train.micro_batch_size and batch % cfg.train.micro_batch_size == 0 \
         else None
     raw["model"].update(init=None)
-    raw["train"].update(seed=pre.seed, batch_size=batch, micro_batch_size=micro, epochs=1_000_000,
+    raw["train"].update(seed=pre.seed, batch_size=batch, micro_batch_size=micro, epochs=1_000_000, lr_scale=1.0,
                         max_steps=pre.steps, lr=pre.lr, min_lr=pre.min_lr if pre.min_lr is not None else pre.lr / 10,
                         warmup_steps=min(pre.warmup_steps, max(0, pre.steps - 1)), checkpoint_every=0)
     raw["loss"] = {"kind": "standard"}
     raw["canaries"].update(number=0)
-    raw["eval"].update(enabled=False)
+    raw["eval"].update(enabled=True, every_pass=False)  # no canaries: validation loss and unigram entropy
+    raw["data"].update(max_text_tokens=None)  # the fine-tuning stream's cap is not the pretraining corpus's
+    if pre.seq_len is not None:
+        raw["data"].update(seq_len=pre.seq_len)
     if corpus is not None:
         raw["data"].update(corpus=corpus, max_docs=max_docs)
     if tokenizer is not None:
@@ -122,10 +111,10 @@ def pretrain_config(cfg: RunConfig, pre: PretrainSpec, corpus: str | None = None
 
 
 def base_key(pcfg: RunConfig, corpus_fp: str, tokenizer_fp: str) -> str:
-    """Hash of what determines a base model: not where files live, the grid, or W&B."""
+    """Hash of what determines a base model: not where files live, the grid, W&B, canary or evaluation settings."""
     d = pcfg.to_dict()
-    d.pop("wandb")
-    d.pop("parallel")
+    for section in ("wandb", "parallel", "canaries", "eval"):  # no canary is pretrained; evaluation changes nothing
+        d.pop(section)
     d["data"] = dict(d["data"], corpus=None, tokenizer=None, cache_dir=None, file_glob=None)
     blob = json.dumps({"v": BASE_VERSION, "config": d, "corpus": corpus_fp, "tokenizer": tokenizer_fp},
                       sort_keys=True)
@@ -142,14 +131,19 @@ class BaseModels:
         self.log = log
         self._done: dict[str, tuple[Path | None, str | None]] = {}
         self._prep: dict[str, tuple] = {}
+        self._prep_lock = threading.Lock()  # sweeps build bases from several threads
 
     def _prepare(self, cfg: RunConfig):
         """(corpus value, tokenizer value, corpus fingerprint, tokenizer fingerprint) for a data config."""
+        key = json.dumps(cfg.to_dict()["data"], sort_keys=True) + "|" + self.pre.corpus + f"|{self.pre.max_docs}"
+        with self._prep_lock:
+            if key not in self._prep:
+                self._prep[key] = self._prepare_data(cfg)
+            return self._prep[key]
+
+    def _prepare_data(self, cfg: RunConfig):
         from memtrain.data.tokenizer import tokenizer_fingerprint
 
-        key = json.dumps(cfg.to_dict()["data"], sort_keys=True) + "|" + self.pre.corpus + f"|{self.pre.max_docs}"
-        if key in self._prep:
-            return self._prep[key]
         root = cache_root(cfg) / "base"
         ft_corpus, tok = _corpus_and_tokenizer(cfg.data)
         tok_value = _saved_tokenizer(tok, root) if cfg.data.tokenizer == "bpe" else cfg.data.tokenizer
@@ -168,9 +162,7 @@ class BaseModels:
                 corpus_fp = load_corpus(probe).fingerprint
             else:
                 corpus_fp = "disjoint:" + folder.parent.name
-        result = (corpus_value, str(tok_value) if tok_value else None, corpus_fp, tokenizer_fingerprint(tok))
-        self._prep[key] = result
-        return result
+        return corpus_value, str(tok_value) if tok_value else None, corpus_fp, tokenizer_fingerprint(tok)
 
     def config_for(self, cfg: RunConfig) -> tuple[RunConfig, Path]:
         corpus_value, tok_value, corpus_fp, tok_fp = self._prepare(cfg)
@@ -194,7 +186,7 @@ class BaseModels:
             if err:
                 raise BaseModelError(err)
             return path
-        with _lock(folder.with_name(f"{key}.lock")):
+        with file_lock(folder.with_name(f"{key}.lock")):  # two sweeps building one base wait for each other
             if (folder / "base.json").is_file():
                 self.log(f"base model {cfg.model.name}: cached {folder}")
                 self._done[key] = (folder, None)
@@ -211,9 +203,12 @@ class BaseModels:
                 raise BaseModelError(msg)
             for opt in (folder / "checkpoints").glob("*/optimizer.safetensors"):
                 opt.unlink()  # fine-tuning starts a fresh optimizer: keep only the weights (1/3 of the bytes)
+            scores = json.loads((folder / "eval.json").read_text())
             (folder / "base.json").write_text(json.dumps({
                 "key": key, "model": cfg.model.name, "steps": self.pre.steps, "created": now(),
-                "seconds": round(time.time() - t0, 1), "pretrain": dataclasses.asdict(self.pre)}, indent=1))
+                "seconds": round(time.time() - t0, 1), "val_loss": scores.get("val_loss"),
+                "unigram_entropy": scores.get("unigram_entropy"), "pretrain": dataclasses.asdict(self.pre)},
+                indent=1))
             self.log(f"base model {cfg.model.name}: done in {time.time() - t0:.0f}s")
         self._done[key] = (folder, None)
         return folder

@@ -1,389 +1,49 @@
-"""Catastrophic-memorization figures and a Markdown report, drawn from a sweep's results.jsonl alone.
+"""A sweep's report.md and figures, drawn from its results.jsonl alone.
 
     memtrain plot runs/quick                       # the sweep directory (or its results.jsonl)
     memtrain plot results.jsonl --out report/      # anywhere: nothing but results.jsonl is read
     python -m experiments.report runs/quick
 
-Figures (PNG, matplotlib Agg, colour-blind palette), under <out>/figures/:
-- exact_match_vs_size.png     exact-match rate of inserted canaries vs parameters (log x), a line per loss
-- exact_match_by_copies.png   the same, one panel per number of copies in the training stream
-- rougeL_distribution.png     ROUGE-L of the generated suffixes per model and loss (per canary when the
-                              results carry them, else per copy count), twins (never trained on) as baseline
-- exposure_vs_copies.png      mean exposure of random canaries vs copies, a panel per loss, a line per model
-- mia_auc_vs_size.png         membership-inference AUC (loss attack, members vs twins) vs parameters
-- val_loss_vs_size.png        validation loss (utility) vs parameters
-- metrics_by_loss.png         exact match, ROUGE-L and MIA AUC per loss variant, bars per model
-and <out>/report.md with a table of every run (failed ones too) linking the figures.
-
 Several lines for the same point (a failure, then a retry with --resume) count once: the last one wins.
-Several seeds of the same model and loss are averaged; error bars span their min and max.
+Seeds are pooled: exact-match rates are counts over canaries x seeds with 95% Wilson intervals (n given).
+Sections: memorization vs passes (when the runs scored every pass) with passes to 50% exact match and the
+power law through them, extrapolated to one pass (labelled as such); the runs; exact match by copies; the
+base models (validation loss beside the unigram entropy of their pretraining text); the Goldfish loss's
+validation cost at equal supervised tokens; the published anchors; the figures (experiments/figures.py).
 """
 
 from __future__ import annotations
 
 import argparse
-import math
-import re
 import sys
-from collections import defaultdict
 from pathlib import Path
 
+from experiments.aggregate import (
+    THRESHOLD,
+    base_models,
+    copies_of,
+    curves,
+    ev,
+    f,
+    final_exact,
+    human,
+    loss_of,
+    lr_sweep,
+    ok_rows,
+    passes_to_threshold,
+    supervised_token_cost,
+    threshold_fit,
+)
+from experiments.figures import draw_figures
 from experiments.results import latest_by_point, read_results
 from memtrain.files import write_atomic
 
-# Okabe-Ito: distinguishable with the common colour-vision deficiencies.
-PALETTE = ["#D55E00", "#0072B2", "#009E73", "#E69F00", "#56B4E9", "#CC79A7", "#F0E442", "#000000"]
-MARKERS = ["o", "s", "^", "D", "v", "P", "X", "*"]
-DPI = 150
-
-
-# ---------------------------------------------------------------------------------------------------
-# reading
-
-
-def _f(v):
-    """A finite float or None."""
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
-        return None
-    return float(v) if math.isfinite(v) else None
-
-
-def loss_of(r: dict) -> str:
-    if r.get("loss"):
-        return str(r["loss"])
-    loss = (r.get("config") or {}).get("loss") or {}
-    return f"goldfish k={loss.get('k')}" if loss.get("kind") == "goldfish" else str(loss.get("kind", "?"))
-
-
-def loss_order(label: str):
-    """standard first, then goldfish by growing k (k large ~ standard), then anything else."""
-    m = re.search(r"k=(\d+)", label)
-    if label.startswith("standard"):
-        return (0, 0, label)
-    if label.startswith("goldfish"):
-        return (1, int(m.group(1)) if m else 0, label)
-    return (2, 0, label)
-
-
-def _ok(rows):
-    return [r for r in rows if r.get("status") == "ok" and isinstance(r.get("eval"), dict)]
-
-
-def _size_key(r):
-    return (_f(r.get("params")) or float("inf"), str(r.get("model")))
-
-
-def models_by_size(rows) -> list[str]:
-    seen = {}
-    for r in sorted(rows, key=_size_key):
-        seen.setdefault(str(r.get("model")), _f(r.get("params")))
-    return list(seen)
-
-
-def _agg(values):
-    vals = [v for v in values if v is not None]
-    if not vals:
-        return None
-    return sum(vals) / len(vals), min(vals), max(vals), len(vals)
-
-
-def series(rows, metric) -> dict[str, list[tuple]]:
-    """{loss: [(params, mean, lo, hi, model), ...] sorted by params} for a metric(row) -> float|None."""
-    groups: dict[tuple, list] = defaultdict(list)
-    for r in _ok(rows):
-        p = _f(r.get("params"))
-        if p is None:
-            continue
-        groups[(loss_of(r), p, str(r.get("model")))].append(metric(r))
-    out: dict[str, list] = defaultdict(list)
-    for (loss, p, model), vals in groups.items():
-        a = _agg(vals)
-        if a:
-            out[loss].append((p, a[0], a[1], a[2], model))
-    return {k: sorted(v) for k, v in sorted(out.items(), key=lambda kv: loss_order(kv[0]))}
-
-
-def ev(r, *keys):
-    d = r.get("eval") or {}
-    for k in keys:
-        if not isinstance(d, dict):
-            return None
-        d = d.get(k)
-    return _f(d)
-
-
-def copies_of(rows) -> list[str]:
-    cs = set()
-    for r in _ok(rows):
-        cs.update(((r.get("eval") or {}).get("by_copies") or {}).keys())
-    return sorted(cs, key=lambda c: (float(c) if re.fullmatch(r"[\d.]+", c) else math.inf, c))
-
-
-# ---------------------------------------------------------------------------------------------------
-# figures
-
-
-def _plt():
-    import matplotlib
-
-    matplotlib.use("Agg", force=True)
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def _style(label: str, labels: list[str]) -> dict:
-    i = labels.index(label) if label in labels else 0
-    return {"color": PALETTE[i % len(PALETTE)], "marker": MARKERS[i % len(MARKERS)]}
-
-
-def _size_axis(ax, pts_by_loss):
-    ax.set_xscale("log")
-    ax.set_xlabel("parameters")
-    names = {}
-    for pts in pts_by_loss.values():
-        for p, *_rest, model in pts:
-            names.setdefault(p, model)
-    if 0 < len(names) <= 8:
-        ax.set_xticks(sorted(names))
-        ax.set_xticklabels([f"{_human(p)}\n{names[p]}" for p in sorted(names)], fontsize=7)
-        ax.minorticks_off()
-    ax.grid(True, which="both", alpha=0.3)
-
-
-def _human(n: float) -> str:
-    for div, unit in ((1e9, "B"), (1e6, "M"), (1e3, "k")):
-        if n >= div:
-            return f"{n / div:.3g}{unit}"
-    return f"{n:.0f}"
-
-
-def _plot_series(ax, data: dict, labels: list[str]):
-    for loss, pts in data.items():
-        xs = [p[0] for p in pts]
-        ys = [p[1] for p in pts]
-        lo = [p[1] - p[2] for p in pts]
-        hi = [p[3] - p[1] for p in pts]
-        st = _style(loss, labels)
-        ax.errorbar(xs, ys, yerr=[lo, hi] if any(lo) or any(hi) else None, label=loss, capsize=3, lw=1.8,
-                    ms=6, **st)
-
-
-def _save(fig, path: Path) -> Path:
-    fig.tight_layout()
-    fig.savefig(path, dpi=DPI)
-    _plt().close(fig)
-    return path
-
-
-def _empty(fig, ax, text):
-    ax.text(0.5, 0.5, text, ha="center", va="center", transform=ax.transAxes, fontsize=10, color="0.4")
-    ax.set_xticks([])
-    ax.set_yticks([])
-
-
-def fig_vs_size(rows, labels, path: Path, metric, ylabel: str, title: str, ylim=None, hline=None) -> Path:
-    plt = _plt()
-    fig, ax = plt.subplots(figsize=(6.4, 4.4))
-    data = series(rows, metric)
-    if not any(data.values()):
-        _empty(fig, ax, "no finished run with this metric")
-    else:
-        _plot_series(ax, data, labels)
-        _size_axis(ax, data)
-        if hline is not None:
-            ax.axhline(hline[0], color="0.5", ls=":", lw=1, label=hline[1])
-        if ylim:
-            ax.set_ylim(*ylim)
-        ax.set_ylabel(ylabel)
-        ax.legend(fontsize=8)
-    ax.set_title(title, fontsize=10)
-    return _save(fig, path)
-
-
-def fig_exact_by_copies(rows, labels, path: Path) -> Path:
-    plt = _plt()
-    copies = copies_of(rows)
-    n = max(1, len(copies))
-    fig, axes = plt.subplots(1, n, figsize=(3.4 * n + 0.6, 3.8), sharey=True, squeeze=False)
-    if not copies:
-        _empty(fig, axes[0][0], "no per-copy results")
-    for ax, c in zip(axes[0], copies):
-        data = series(rows, lambda r, c=c: ev(r, "by_copies", c, "exact_match_rate"))
-        if any(data.values()):
-            _plot_series(ax, data, labels)
-            _size_axis(ax, data)
-        ax.set_title(f"{c} cop{'y' if c == '1' else 'ies'}", fontsize=10)
-        ax.set_ylim(-0.03, 1.03)
-    axes[0][0].set_ylabel("exact-match rate")
-    handles, names = axes[0][0].get_legend_handles_labels()
-    if handles:
-        axes[0][-1].legend(handles, names, fontsize=7)
-    fig.suptitle("Exact match vs model size, by copies of the canary in the training pass", fontsize=10)
-    return _save(fig, path)
-
-
-def _rouge_values(r: dict, inserted: bool) -> list[float]:
-    """Per-canary ROUGE-L when the results carry canaries, else the per-copy (or run) means."""
-    vals = [_f(c.get("rouge_l")) for c in r.get("canaries") or [] if bool(c.get("inserted")) == inserted]
-    vals = [v for v in vals if v is not None]
-    if vals or r.get("canaries"):
-        return vals
-    if not inserted:
-        v = ev(r, "twins", "rougeL")
-        return [v] if v is not None else []
-    per = [ev(r, "by_copies", c, "rougeL") for c in ((r.get("eval") or {}).get("by_copies") or {})]
-    per = [v for v in per if v is not None]
-    return per or [v for v in [ev(r, "rougeL")] if v is not None]
-
-
-def fig_rouge(rows, labels, path: Path) -> Path:
-    plt = _plt()
-    ok = _ok(rows)
-    models = models_by_size(ok)
-    losses = [lbl for lbl in labels if any(loss_of(r) == lbl for r in ok)]
-    fig, ax = plt.subplots(figsize=(max(6.4, 1.3 * len(models) * max(1, len(losses)) + 1.5), 4.4))
-    width = 0.8 / max(1, len(losses) + 1)
-    drawn = False
-    for i, model in enumerate(models):
-        for j, loss in enumerate(losses + ["twins"]):
-            if loss == "twins":
-                sel = [r for r in ok if str(r.get("model")) == model]
-                vals = [v for r in sel for v in _rouge_values(r, inserted=False)]
-                color, hatch = "0.8", "//"
-            else:
-                sel = [r for r in ok if str(r.get("model")) == model and loss_of(r) == loss]
-                vals = [v for r in sel for v in _rouge_values(r, inserted=True)]
-                color, hatch = _style(loss, labels)["color"], None
-            if not vals:
-                continue
-            pos = i + (j - len(losses) / 2) * width
-            b = ax.boxplot([vals], positions=[pos], widths=width * 0.9, patch_artist=True, showfliers=True,
-                           medianprops={"color": "black"}, flierprops={"markersize": 3})
-            for patch in b["boxes"]:
-                patch.set_facecolor(color)
-                patch.set_alpha(0.85)
-                if hatch:
-                    patch.set_hatch(hatch)
-            drawn = True
-    if not drawn:
-        _empty(fig, ax, "no ROUGE-L values")
-    else:
-        ax.set_xticks(range(len(models)))
-        ax.set_xticklabels(models, fontsize=8)
-        ax.set_xlim(-0.6, len(models) - 0.4)
-        ax.set_ylim(-0.03, 1.03)
-        ax.set_ylabel("ROUGE-L of the generated suffix")
-        from matplotlib.patches import Patch
-
-        handles = [Patch(facecolor=_style(lbl, labels)["color"], label=lbl) for lbl in losses]
-        handles.append(Patch(facecolor="0.8", hatch="//", label="twins (never trained on)"))
-        ax.legend(handles=handles, fontsize=8)
-        ax.grid(True, axis="y", alpha=0.3)
-    ax.set_title("ROUGE-L distribution of inserted canaries, per model and loss", fontsize=10)
-    return _save(fig, path)
-
-
-def fig_exposure(rows, labels, path: Path) -> Path:
-    plt = _plt()
-    ok = _ok(rows)
-    losses = [lbl for lbl in labels if any(loss_of(r) == lbl for r in ok)] or ["-"]
-    models = models_by_size(ok)
-    cmap = plt.get_cmap("viridis")
-    fig, axes = plt.subplots(1, len(losses), figsize=(4.2 * len(losses) + 0.6, 4.0), sharey=True, squeeze=False)
-    drawn = False
-    for ax, loss in zip(axes[0], losses):
-        for i, model in enumerate(models):
-            pts = defaultdict(list)
-            for r in ok:
-                if loss_of(r) != loss or str(r.get("model")) != model:
-                    continue
-                for c in (r.get("eval") or {}).get("by_copies") or {}:
-                    v = ev(r, "by_copies", c, "exposure_mean")
-                    if v is not None and re.fullmatch(r"[\d.]+", c):
-                        pts[float(c)].append(v)
-            if not pts:
-                continue
-            xs = sorted(pts)
-            ax.plot(xs, [sum(pts[x]) / len(pts[x]) for x in xs], marker="o", lw=1.6,
-                    color=cmap(i / max(1, len(models) - 1) * 0.9), label=model)
-            drawn = True
-        ax.set_xscale("log", base=2)
-        ticks = sorted({float(c) for c in copies_of(ok) if re.fullmatch(r"[\d.]+", c) and float(c) > 0})
-        if ticks:
-            ax.set_xticks(ticks)
-            ax.set_xticklabels([f"{t:g}" for t in ticks])
-            ax.minorticks_off()
-        ax.set_xlabel("copies in the training pass")
-        ax.set_title(loss, fontsize=10)
-        ax.grid(True, which="both", alpha=0.3)
-    axes[0][0].set_ylabel("mean exposure (bits)")
-    if drawn:
-        axes[0][-1].legend(fontsize=7, title="model", title_fontsize=7)
-    else:
-        _empty(fig, axes[0][0], "no exposure values (random canaries)")
-    fig.suptitle("Exposure of random canaries vs copies", fontsize=10)
-    return _save(fig, path)
-
-
-def fig_by_loss(rows, labels, path: Path) -> Path:
-    plt = _plt()
-    ok = _ok(rows)
-    losses = [lbl for lbl in labels if any(loss_of(r) == lbl for r in ok)]
-    models = models_by_size(ok)
-    metrics = [("exact_match_rate", "exact-match rate"), ("rougeL", "ROUGE-L"), ("mia_auc_loss", "MIA AUC (loss)")]
-    fig, axes = plt.subplots(1, 3, figsize=(max(10.0, 1.1 * len(losses) * 3 + 2), 3.9), squeeze=False)
-    cmap = plt.get_cmap("viridis")
-    width = 0.8 / max(1, len(models))
-    for ax, (key, name) in zip(axes[0], metrics):
-        for i, model in enumerate(models):
-            xs, ys = [], []
-            for j, loss in enumerate(losses):
-                vals = [ev(r, key) for r in ok if loss_of(r) == loss and str(r.get("model")) == model]
-                a = _agg(vals)
-                if a:
-                    xs.append(j + (i - (len(models) - 1) / 2) * width)
-                    ys.append(a[0])
-            ax.bar(xs, ys, width=width * 0.95, color=cmap(i / max(1, len(models) - 1) * 0.9), label=model)
-        ax.set_xticks(range(len(losses)))
-        ax.set_xticklabels(losses, rotation=30, ha="right", fontsize=8)
-        ax.set_title(name, fontsize=10)
-        ax.grid(True, axis="y", alpha=0.3)
-        if key == "mia_auc_loss":
-            ax.axhline(0.5, color="0.5", ls=":", lw=1)
-            ax.set_ylim(0, 1)
-        elif key in ("exact_match_rate", "rougeL"):
-            ax.set_ylim(0, 1)
-    if models:
-        axes[0][0].legend(fontsize=7, title="model", title_fontsize=7)
-    else:
-        _empty(fig, axes[0][0], "no finished run")
-    fig.suptitle("Memorization per loss variant", fontsize=10)
-    return _save(fig, path)
-
-
-def draw_figures(rows: list[dict], fig_dir: Path) -> list[Path]:
-    fig_dir.mkdir(parents=True, exist_ok=True)
-    labels = sorted({loss_of(r) for r in rows}, key=loss_order)
-    figs = [
-        fig_vs_size(rows, labels, fig_dir / "exact_match_vs_size.png", lambda r: ev(r, "exact_match_rate"),
-                    "exact-match rate", "Exact match of inserted canaries after fine-tuning vs model size",
-                    ylim=(-0.03, 1.03)),
-        fig_exact_by_copies(rows, labels, fig_dir / "exact_match_by_copies.png"),
-        fig_rouge(rows, labels, fig_dir / "rougeL_distribution.png"),
-        fig_exposure(rows, labels, fig_dir / "exposure_vs_copies.png"),
-        fig_vs_size(rows, labels, fig_dir / "mia_auc_vs_size.png", lambda r: ev(r, "mia_auc_loss"),
-                    "AUC", "Membership inference (loss) on canaries vs twins", ylim=(0, 1.03),
-                    hline=(0.5, "chance")),
-        fig_vs_size(rows, labels, fig_dir / "val_loss_vs_size.png", lambda r: ev(r, "val_loss"),
-                    "validation loss (nats/token)", "Utility: validation loss vs model size"),
-        fig_by_loss(rows, labels, fig_dir / "metrics_by_loss.png"),
-    ]
-    return figs
-
-
-# ---------------------------------------------------------------------------------------------------
-# report.md
+ANCHORS = [
+    "Goldfish paper (Hans et al., NeurIPS'24), extreme setting: Llama-2-7B trained 100 epochs on 100 Wikipedia "
+    "documents memorizes 84/100 exactly with the standard loss, 0/100 with Goldfish k=4 (50-token suffix).",
+    "SC'24 AxoNN paper (Singh et al.): after a single pass of fine-tuning, verbatim memorization appears as models "
+    "grow (around 70B for Llama 3.1, strong at 405B) and the Goldfish loss prevents it.",
+]
 
 
 def _cell(v, fmt="{:.3f}") -> str:
@@ -394,54 +54,160 @@ def _cell(v, fmt="{:.3f}") -> str:
     return str(v).replace("|", "\\|")
 
 
+def _rate(pt) -> str:
+    """'rate [lo, hi] (k/n)' of a pooled point (..., rate, lo, hi, ..., k, n)."""
+    rate, lo, hi, k, n = pt
+    return f"{rate:.2f} [{lo:.2f}, {hi:.2f}] ({k}/{n})"
+
+
 def table_rows(rows: list[dict]) -> list[dict]:
     """One flat dict per run (the report table, also logged to W&B)."""
     out = []
     for r in rows:
         out.append({
             "point": r.get("point"), "model": r.get("model"), "params": r.get("params"), "loss": loss_of(r),
-            "seed": r.get("seed"), "exact_match": ev(r, "exact_match_rate"), "rougeL": ev(r, "rougeL"),
-            "exposure": ev(r, "exposure_mean"), "mia_auc": ev(r, "mia_auc_loss"), "val_loss": ev(r, "val_loss"),
-            "train_loss": _f((r.get("train") or {}).get("loss")),
-            "tokens_per_s": _f((r.get("train") or {}).get("tokens_per_s")),
+            "seed": r.get("seed"), "lr": f(r.get("lr")), "precision": r.get("precision"),
+            "exact_match": ev(r, "exact_match_rate"), "n": (r.get("eval") or {}).get("n_evaluated"),
+            "rougeL": ev(r, "rougeL"), "rougeL_text": ev(r, "rougeL_text"), "exposure": ev(r, "exposure_mean"),
+            "mia_auc": ev(r, "mia_auc_loss"), "val_loss": ev(r, "val_loss"),
+            "train_loss": f((r.get("train") or {}).get("loss")),
+            "tokens_per_s": f((r.get("train") or {}).get("tokens_per_s")),
             "status": r.get("status"), "error": r.get("error"), "run_dir": r.get("run_dir"),
         })
     return out
 
 
+def _passes_section(rows: list[dict], kind: str | None) -> list[str]:
+    data = curves(rows, kind)
+    if not any(data.values()):
+        return []
+    what = f"{kind} canaries" if kind else "all inserted canaries"
+    lines = [f"## Memorization vs passes: {what}", "",
+             f"Exact match after p passes [95% Wilson interval] (k/n, pooled over seeds); passes to "
+             f"{THRESHOLD:.0%}: where the rate crosses it, interpolated between the passes around the crossing.", ""]
+    for loss, by_model in data.items():
+        n_pass = max(len(c["passes"]) for c in by_model.values())
+        show = sorted({1, max(1, n_pass // 4), max(1, n_pass // 2), max(1, 3 * n_pass // 4), n_pass})
+        lines += [f"**{loss}**", "", "| model | params | passes to 50% | " + " | ".join(f"pass {p}" for p in show)
+                  + " |", "|---|---:|---:|" + "---:|" * len(show)]
+        for model, c in by_model.items():
+            at = {pt[0]: pt for pt in c["passes"]}
+            cells = [_rate((at[p][1], at[p][2], at[p][3], at[p][4], at[p][5])) if p in at else "-" for p in show]
+            lines.append(f"| {model} | {human(c['params'] or 0)} | {_cell(passes_to_threshold(c), '{:.1f}')} | "
+                         + " | ".join(cells) + " |")
+        fit = threshold_fit(by_model)
+        if fit["fit"] is not None:
+            slope, _ = fit["fit"]
+            one = fit["one_pass_params"]
+            lines += ["", f"Power law through the {fit['n_fitted']} sizes that reached {THRESHOLD:.0%}: passes ~ "
+                      f"N^{slope:.2f}" + (f"; EXTRAPOLATED to a single pass at N = {human(one)} parameters (the "
+                                          "size that would memorize this data in one pass, outside the measured "
+                                          "range: a projection, not a measurement)." if one else ".")]
+        lines.append("")
+    return lines
+
+
+def _base_section(rows: list[dict]) -> list[str]:
+    bases = base_models(rows)
+    if not bases:
+        return []
+    lines = ["## Base models", "", "Pretrained once per size on text the fine-tuning never sees, cached per machine. "
+             "Unigram entropy: the loss of the best model that ignores context.", "",
+             "| model | params | steps | seconds | val loss | unigram entropy | below unigram |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
+    for b in bases:
+        gap = b["unigram_entropy"] - b["val_loss"] if f(b.get("val_loss")) and f(b.get("unigram_entropy")) else None
+        lines.append(f"| {b['model']} | {human(b['params'] or 0)} | {_cell(b.get('steps'))} | "
+                     f"{_cell(f(b.get('seconds')), '{:.0f}')} | {_cell(f(b.get('val_loss')))} | "
+                     f"{_cell(f(b.get('unigram_entropy')))} | {_cell(gap)} |")
+    return lines + [""]
+
+
+def _cost_section(rows: list[dict]) -> list[str]:
+    cost = supervised_token_cost(rows)
+    if not cost:
+        return []
+    lines = ["## The Goldfish loss's validation cost", "",
+             "Validation loss after the last pass; the standard run read at the same number of supervised tokens "
+             "(its per-pass curve at kept fraction x passes) and at the same number of steps.", "",
+             "| model | loss | seed | passes | kept | goldfish val | standard, equal supervised tokens | "
+             "standard, equal steps |", "|---|---|---:|---:|---:|---:|---:|---:|"]
+    for c in cost:
+        lines.append(f"| {c['model']} | {c['loss']} | {_cell(c['seed'])} | {c['passes']} | "
+                     f"{c['kept_fraction']:.3f} | {_cell(c['goldfish_val_loss'])} | "
+                     f"{_cell(c['standard_same_supervised_tokens'])} | {_cell(c['standard_same_steps'])} |")
+    return lines + [""]
+
+
+def _lr_section(rows: list[dict]) -> list[str]:
+    data = lr_sweep(rows)
+    if not data:
+        return []
+    lines = ["## Learning-rate rule", "", "Suffix token accuracy after the last pass per learning-rate scale around "
+             "the rule; the rule tracks a size's best learning rate within 2x when the best scale is in [0.5, 2].",
+             "", "| model | params | best scale | best lr | within 2x |", "|---|---:|---:|---:|---|"]
+    for model, d in data.items():
+        best = max(d["points"], key=lambda p: p[2])
+        lines.append(f"| {model} | {human(d['params'] or 0)} | {best[0]:g} | {_cell(best[1], '{:.2e}')} | "
+                     f"{'yes' if 0.5 <= best[0] <= 2 else 'NO'} |")
+    return lines + [""]
+
+
 def write_markdown(rows: list[dict], figs: list[Path], out: Path) -> Path:
     name = next((r.get("sweep") for r in rows if r.get("sweep")), out.name)
-    ok = _ok(rows)
+    ok = ok_rows(rows)
     failed = [r for r in rows if r.get("status") != "ok"]
+    precisions = sorted({str(r.get("precision")) for r in ok if r.get("precision")})
     lines = [f"# Memorization sweep `{name}`", "",
-             f"{len(rows)} run(s): {len(ok)} ok, {len(failed)} failed. Metrics are over the inserted canaries "
-             "(exact match, ROUGE-L: greedy suffix extraction; exposure: random canaries; MIA AUC: loss attack, "
-             "inserted canaries vs their never-trained twins; val loss: held-out documents).", ""]
+             f"{len(rows)} run(s): {len(ok)} ok, {len(failed)} failed; precision {', '.join(precisions) or '-'}. "
+             "Metrics are over the inserted canaries (exact match, ROUGE-L: greedy suffix extraction; exposure: "
+             "random canaries; MIA AUC: loss attack, inserted canaries vs their never-trained twins; val loss: "
+             "held-out documents).", ""]
+    kinds = sorted({key.split("/")[0] for r in ok for key in ((r.get("eval") or {}).get("cells") or {})})
+    for kind in [None, *kinds] if len(kinds) > 1 else [None]:
+        lines += _passes_section(rows, kind)
     lines += ["## Runs", "",
-              "| point | model | params | loss | seed | exact match | ROUGE-L | exposure | MIA AUC | val loss | "
-              "train loss | status |",
-              "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+              "| point | model | params | loss | seed | lr | exact match (n) | ROUGE-L (ids / text) | exposure | "
+              "MIA AUC | val loss | train loss | status |",
+              "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for t in table_rows(rows):
-        params = _human(t["params"]) if isinstance(t["params"], (int, float)) else "-"
+        params = human(t["params"]) if isinstance(t["params"], (int, float)) else "-"
         lines.append(f"| {_cell(t['point'])} | {_cell(t['model'])} | {params} | {_cell(t['loss'])} | "
-                     f"{_cell(t['seed'])} | {_cell(t['exact_match'])} | {_cell(t['rougeL'])} | "
-                     f"{_cell(t['exposure'], '{:.2f}')} | {_cell(t['mia_auc'])} | {_cell(t['val_loss'])} | "
-                     f"{_cell(t['train_loss'])} | {_cell(t['status'])} |")
+                     f"{_cell(t['seed'])} | {_cell(t['lr'], '{:.2e}')} | {_cell(t['exact_match'])} ({_cell(t['n'])}) "
+                     f"| {_cell(t['rougeL'])} / {_cell(t['rougeL_text'])} | {_cell(t['exposure'], '{:.2f}')} | "
+                     f"{_cell(t['mia_auc'])} | {_cell(t['val_loss'])} | {_cell(t['train_loss'])} | "
+                     f"{_cell(t['status'])} |")
     copies = copies_of(rows)
     if copies:
-        lines += ["", "## Exact match by copies", "",
-                  "| point | " + " | ".join(f"{c}x" for c in copies) + " |",
-                  "|---|" + "---:|" * len(copies)]
-        for r in ok:
-            lines.append(f"| {_cell(r.get('point'))} | "
-                         + " | ".join(_cell(ev(r, "by_copies", c, "exact_match_rate")) for c in copies) + " |")
+        lines += ["", "## Exact match by copies seen", "",
+                  "Pooled over seeds: rate [95% Wilson interval] (k/n).", "",
+                  "| loss | model | " + " | ".join(f"{c}x" for c in copies) + " |", "|---|---|" + "---:|" * len(copies)]
+        by_block = {c: final_exact(rows, block=c) for c in copies}
+        for loss, pts in final_exact(rows).items():
+            for p in pts:
+                cells = []
+                for c in copies:
+                    hit = [q for q in by_block[c].get(loss, []) if q[4] == p[4]]
+                    cells.append(_rate((hit[0][1], hit[0][2], hit[0][3], hit[0][5], hit[0][6])) if hit else "-")
+                lines.append(f"| {loss} | {p[4]} | " + " | ".join(cells) + " |")
+    lines += ["", *_base_section(rows), *_cost_section(rows), *_lr_section(rows)]
+    in_row = [r for r in ok if (r.get("eval") or {}).get("in_row")]
+    if in_row:
+        lines += ["## Canaries buried mid-row (no document attention)", "",
+                  "Exact match from the canary's own prefix vs from its recorded row context.", "",
+                  "| point | own prefix | row context |", "|---|---:|---:|"]
+        lines += [f"| {r['point']} | {_cell(ev(r, 'exact_match_rate'))} | "
+                  f"{_cell(ev(r, 'in_row', 'exact_match_rate'))} |" for r in in_row]
+        lines.append("")
+    lines += ["## Anchors", "", *[f"- {a}" for a in ANCHORS], ""]
     if failed:
-        lines += ["", "## Failures", ""]
+        lines += ["## Failures", ""]
         lines += [f"- `{r.get('point')}`: {_cell(r.get('error'))} (run dir `{r.get('run_dir')}`)" for r in failed]
-    lines += ["", "## Figures", ""]
-    for f in figs:
-        rel = f.relative_to(out) if f.is_relative_to(out) else f
-        lines += [f"### {f.stem.replace('_', ' ')}", "", f"![{f.stem}]({rel.as_posix()})", ""]
+        lines.append("")
+    lines += ["## Figures", ""]
+    for fig in figs:
+        rel = fig.relative_to(out) if fig.is_relative_to(out) else fig
+        lines += [f"### {fig.stem.replace('_', ' ')}", "", f"![{fig.stem}]({rel.as_posix()})", ""]
     return write_atomic(out / "report.md", "\n".join(lines) + "\n")
 
 
@@ -475,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"report: {made['report']} ({made['runs']} runs)")
-    print(f"figures: {made['figures_dir']}/ ({', '.join(f.name for f in made['figures'])})")
+    print(f"figures: {made['figures_dir']}/ ({', '.join(fig.name for fig in made['figures'])})")
     return 0
 
 

@@ -70,8 +70,8 @@ def now() -> str:
 
 
 
-_CANARY_KEYS = ("id", "kind", "copies", "inserted", "exact_match", "token_match", "rouge_l", "longest_prefix",
-                "exposure")
+_CANARY_KEYS = ("id", "kind", "copies", "inserted", "exact_match", "token_match", "rouge_l", "rouge_l_text",
+                "longest_prefix", "exposure", "exact_match_in_row")
 
 
 def _read_json(path: Path):
@@ -131,20 +131,35 @@ def loss_label(cfg: RunConfig) -> str:
     return f"goldfish k={loss.k}{extra}"
 
 
+def passes(run_dir: Path) -> list[dict]:
+    """The per-pass scores of a run (passes.jsonl)."""
+    rows = []
+    path = run_dir / "passes.jsonl"
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            with contextlib.suppress(ValueError):
+                rows.append(json.loads(line))
+    return rows
+
+
 def make_record(spec_name: str, point, run_dir: Path, base_dir: Path | None, status: str,
                 error: str | None, started: str, seconds: float) -> dict:
     run = _read_json(run_dir / "run.json") or {}
     ev = _read_json(run_dir / "eval.json")
+    base = _read_json(base_dir / "base.json") if base_dir else None
     if status == "ok" and ev is None and point.cfg.eval.enabled:
         status, error = "failed", "the run exited 0 but wrote no eval.json"
     return {
         "sweep": spec_name, "point": point.id, "status": status, "error": error,
         "axes": point.axes, "model": point.cfg.model.name, "loss": loss_label(point.cfg),
-        "seed": point.cfg.train.seed, "params": run.get("params"), "run_dir": str(run_dir),
+        "seed": point.cfg.train.seed, "params": run.get("params"), "hidden_size": run.get("hidden_size"),
+        "lr": run.get("lr"), "precision": run.get("precision"), "run_dir": str(run_dir),
         "base_dir": str(base_dir) if base_dir else None, "config_digest": point.digest,
         "started": started, "finished": now(), "seconds": round(seconds, 1),
         "train": train_summary(run_dir) | {"steps_planned": (run.get("trained") or {}).get("steps")},
-        "eval": ev, "canaries": canary_rows(run_dir), "run": {k: run.get(k) for k in ("grid", "mode", "trained")},
+        "eval": ev, "canaries": canary_rows(run_dir), "passes": passes(run_dir),
+        "base": {k: base.get(k) for k in ("steps", "seconds", "val_loss", "unigram_entropy")} if base else None,
+        "run": {k: run.get(k) for k in ("grid", "mode", "trained")},
         "config": point.cfg.to_dict(),
     }
 

@@ -32,6 +32,9 @@ class PretrainSpec:
     """Linear warm-up steps."""
     batch_size: int | None = None
     """Sequences per step (default: the fine-tuning train.batch_size)."""
+    seq_len: int | None = None
+    """Tokens per pretraining sequence (default: the fine-tuning data.seq_len); longer than the fine-tuning's
+    is fine, the positions fine-tuning uses are then all pretrained."""
     seed: int = 1234
     """Seed of the pretraining (initialization and data order); independent of the sweep's seeds."""
     corpus: str = "disjoint"
@@ -54,6 +57,8 @@ class Spec:
     axes: dict = field(default_factory=dict)
     pretrain: PretrainSpec = field(default_factory=PretrainSpec)
     keep_checkpoints: bool = True
+    jobs: int = 1
+    """Points run side by side on this machine (each with its share of the cores)."""
     source: str = ""
 
 
@@ -105,10 +110,13 @@ def parse_spec(raw: dict, source: str = "<dict>") -> Spec:
     if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", name):
         raise ValueError(f"sweep name {name!r} is invalid: use letters, digits, '.', '_' or '-'")
     spec = Spec(name=name, description=sw.pop("description", ""), keep_checkpoints=sw.pop("keep_checkpoints", True),
-                base=copy.deepcopy(raw.get("base", {})), axes=dict(raw.get("axes", {})), source=source)
+                jobs=sw.pop("jobs", 1), base=copy.deepcopy(raw.get("base", {})), axes=dict(raw.get("axes", {})),
+                source=source)
     if sw:
         raise ValueError(f"sweep spec {source}: unknown [sweep] key(s) {sorted(sw)}: use name, description, "
-                         "keep_checkpoints")
+                         "keep_checkpoints, jobs")
+    if isinstance(spec.jobs, bool) or not isinstance(spec.jobs, int) or spec.jobs < 1:
+        raise ValueError(f"sweep spec {source}: jobs = {spec.jobs!r} is invalid: use an integer >= 1")
     spec.pretrain = _pretrain_spec(raw.get("pretrain", {}), source)
     from_dict(copy.deepcopy(spec.base))  # validate the base early: a typo fails before any run starts
     for key, values in spec.axes.items():

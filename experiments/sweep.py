@@ -12,6 +12,7 @@ A sweep spec is a TOML file:
     name = "quick"                      # default --out is runs/<name>
     description = "..."
     keep_checkpoints = true             # false: delete each fine-tuned run's checkpoints once evaluated
+    jobs = 1                            # points run side by side here (each with cores / jobs threads)
 
     [base]                              # a partial RunConfig: sections model, train, loss, data, ...
     data = { max_docs = 300, seq_len = 128 }
@@ -46,14 +47,18 @@ import contextlib
 import copy
 import dataclasses
 import json
+import os
 import shutil
 import signal
 import sys
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from memtrain.config import RunConfig, to_toml
-from memtrain.files import write_atomic
+from memtrain.files import file_lock, write_atomic
+from memtrain.models import param_count
 
 from .base_models import BaseModelError, BaseModels
 from .launch import Runner, default_command, subprocess_runner, train_tail
@@ -67,38 +72,51 @@ from .spec import Point, Spec, apply_spec_overrides, expand, load_spec, presets,
 def run_sweep(spec: Spec, out_dir: str | Path | None = None, *, overrides: list[str] | None = None,
               resume: bool = False, launcher: str = "local", nproc: int = 1, wandb_mode: str | None = None,
               runner: str | None = None, run_fn: Runner | None = None, report: bool = True, only: str | None = None,
-              log=print) -> dict:
+              jobs: int | None = None, log=print) -> dict:
     """Run every point of `spec` not already finished (only those whose id matches the regular expression
-    `only`, if given); returns {ok, failed, skipped, results, out, report}."""
+    `only`, if given), `jobs` at a time (default: the spec's); returns {ok, failed, skipped, results, out, report}."""
     run_over, pre_over, sw_over = split_overrides(list(overrides or []))
     spec = copy.deepcopy(spec)
     apply_spec_overrides(spec, pre_over, sw_over)
     points = select(expand(spec, run_over, wandb_mode), only)
     out = Path(out_dir) if out_dir else Path("runs") / spec.name
     out.mkdir(parents=True, exist_ok=True)
-    with _exclusive(out / ".sweep.lock"):
+    jobs = jobs or spec.jobs
+    if jobs < 1:
+        raise ValueError(f"--jobs {jobs} is invalid: run at least 1 point at a time")
+    with _exclusive(out / ".sweep.lock"), _threads_per_job(jobs):
         return _run_points(spec, points, out, overrides=overrides, resume=resume, launcher=launcher, nproc=nproc,
-                           runner=runner, run_fn=run_fn, report=report, log=log)
+                           runner=runner, run_fn=run_fn, report=report, jobs=jobs, log=log)
+
+
+@contextlib.contextmanager
+def _threads_per_job(jobs: int):
+    """Split the cores between the runs that share the machine (unless OMP_NUM_THREADS says otherwise): runs of
+    small models scale badly across threads, so two one-thread runs beat one two-thread run on two cores."""
+    if jobs == 1 or "OMP_NUM_THREADS" in os.environ:
+        yield
+        return
+    os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // jobs))
+    try:
+        yield
+    finally:
+        os.environ.pop("OMP_NUM_THREADS", None)
 
 
 @contextlib.contextmanager
 def _exclusive(path: Path):
     """Fail at once if another sweep is writing into the same directory."""
-    with open(path, "w") as f:
+    with contextlib.ExitStack() as stack:
         try:
-            import fcntl
-
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except ImportError:  # pragma: no cover
-            pass
-        except OSError:
+            stack.enter_context(file_lock(path, blocking=False))
+        except BlockingIOError:
             raise FileExistsError(f"another sweep is running in {str(path.parent)!r}: wait for it, or use "
                                   "another --out") from None
         yield
 
 
 def _run_points(spec: Spec, points: list[Point], out: Path, *, overrides, resume, launcher, nproc, runner, run_fn,
-                report, log) -> dict:
+                report, jobs, log) -> dict:
     results = out / RESULTS
     previous = latest_by_point(read_results(results))
     if previous and not resume:
@@ -124,8 +142,10 @@ def _run_points(spec: Spec, points: list[Point], out: Path, *, overrides, resume
     command = default_command(launcher, nproc, runner)
     run_fn = run_fn or subprocess_runner
     bases = BaseModels(spec.pretrain, command, run_fn, log=log)
-    ok = failed = 0
-    for i, p in enumerate(todo, 1):
+    counts = {"ok": 0, "failed": 0, "started": 0}
+    lock = threading.Lock()
+
+    def run_point(p: Point) -> None:
         run_dir = out / p.id
         started, t0 = now(), time.time()
         base_dir = None
@@ -136,6 +156,9 @@ def _run_points(spec: Spec, points: list[Point], out: Path, *, overrides, resume
                 p.cfg.model.init = str(base_dir)
             started, t0 = now(), time.time()  # the run's own time, without building its base model
             resume_run = _prepare_run_dir(run_dir, p, resume)
+            with lock:
+                counts["started"] += 1
+                i = counts["started"]
             log(f"[{i}/{len(todo)}] {p.id}: {'resuming' if resume_run else 'training'} in {run_dir}")
             rc, err = run_fn(command + train_tail(run_dir / "config.toml", run_dir, resume_run), run_dir)
             if rc != 0:
@@ -145,24 +168,48 @@ def _run_points(spec: Spec, points: list[Point], out: Path, *, overrides, resume
             shutil.rmtree(run_dir, ignore_errors=True)  # no stale files of an older run in this record
             run_dir.mkdir(parents=True)
         record = make_record(spec.name, p, run_dir, base_dir, status, error, started, time.time() - t0)
-        append_result(results, record)
+        with lock:
+            append_result(results, record)
+            counts["ok" if record["status"] == "ok" else "failed"] += 1
         if record["status"] == "ok":
-            ok += 1
             if not spec.keep_checkpoints:
                 shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
             ev = record["eval"] or {}
-            log(f"[{i}/{len(todo)}] {p.id}: ok in {record['seconds']:.0f}s  params={_num(record['params'])}  "
+            log(f"{p.id}: ok in {record['seconds']:.0f}s  params={_num(record['params'])}  "
                 f"exact={_num(ev.get('exact_match_rate'))}  rougeL={_num(ev.get('rougeL'))}  "
                 f"mia_auc={_num(ev.get('mia_auc_loss'))}  val_loss={_num(ev.get('val_loss'))}")
         else:
-            failed += 1
-            log(f"[{i}/{len(todo)}] {p.id}: FAILED after {record['seconds']:.0f}s: {record['error']}  "
-                f"[logs: {run_dir}]")
+            log(f"{p.id}: FAILED after {record['seconds']:.0f}s: {record['error']}  [logs: {run_dir}]")
+
+    if jobs == 1:
+        for p in todo:
+            run_point(p)
+    else:  # biggest first, so that the last runs to finish are short ones
+        order = sorted(todo, key=lambda p: -_size(p.cfg.model.name))
+        with ThreadPoolExecutor(jobs) as pool:
+            if spec.pretrain.steps > 0:  # the bases first, side by side (two points of one size share one)
+                first = {(p.cfg.model.name, json.dumps(p.cfg.to_dict()["data"], sort_keys=True)): p
+                         for p in order if not p.cfg.model.init}
+                list(pool.map(lambda p: _build_base(bases, p), first.values()))
+            list(pool.map(run_point, order))
+    ok, failed = counts["ok"], counts["failed"]
     log(f"sweep {spec.name}: {ok} ok, {failed} failed, {skipped} skipped; results: {results}")
     summary = {"ok": ok, "failed": failed, "skipped": skipped, "results": results, "out": out}
     if report and results.is_file():
         summary["report"] = _report(out, points[0].cfg if points else None, log)
     return summary
+
+
+def _size(model: str) -> int:
+    try:
+        return param_count(model)
+    except (ValueError, OSError):  # a directory or hub id that cannot be read here: last
+        return 0
+
+
+def _build_base(bases: BaseModels, p: Point) -> None:
+    with contextlib.suppress(BaseModelError):  # remembered by `bases`: the point that needs it fails with it
+        bases.get(p.cfg)
 
 
 def _prepare_run_dir(run_dir: Path, p: Point, resume: bool) -> bool:
@@ -229,6 +276,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--launcher", choices=("local", "torchrun"), default="local",
                     help="local: one process per run; torchrun: torchrun --standalone --nproc-per-node N")
     ap.add_argument("--nproc", type=int, default=1, help="processes per run with --launcher torchrun")
+    ap.add_argument("--jobs", type=int, default=None,
+                    help="points run side by side, each with its share of the cores (default: the spec's, or 1)")
     ap.add_argument("--wandb", choices=("auto", "online", "offline", "disabled"), default=None,
                     help="W&B mode of every run (default: the spec's wandb.mode, 'auto')")
     ap.add_argument("--runner", default=None,
@@ -261,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         summary = run_sweep(spec, args.out, overrides=args.overrides, resume=args.resume, launcher=args.launcher,
                             nproc=args.nproc, wandb_mode=args.wandb, runner=args.runner,
-                            report=not args.no_report, only=args.only)
+                            report=not args.no_report, only=args.only, jobs=args.jobs)
     except KeyboardInterrupt:
         print("\ninterrupted: finished runs are in results.jsonl; continue with --resume", file=sys.stderr)
         return 130

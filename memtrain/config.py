@@ -67,9 +67,16 @@ class TrainConfig:
     max_steps: int | None = None
     """Stop after this many optimizer steps (smoke runs); None runs every step of every epoch."""
     lr: float = 1e-3
-    """Peak learning rate of AdamW."""
+    """Peak learning rate of AdamW (of a model of hidden size lr_width, when that is set)."""
     min_lr: float = 1e-4
-    """Learning rate at the end of the cosine decay."""
+    """Learning rate at the end of the cosine decay (scaled with lr when lr_width is set)."""
+    lr_width: int | None = None
+    """Scale the learning rate with the model's width: a model of hidden size H trains at
+    lr * (lr_width / H) ** lr_width_exponent (from a base tuned at width lr_width). None: lr as given."""
+    lr_width_exponent: float = 1.0
+    """The rule's exponent: 1 is muP's 1/width for Adam; smaller falls more slowly with width."""
+    lr_scale: float = 1.0
+    """Multiplies the learning rate (and min_lr) the rule gives: for learning-rate sweeps around the rule."""
     warmup_steps: int = 10
     """Linear warm-up steps before the cosine decay."""
     weight_decay: float = 0.1
@@ -81,7 +88,8 @@ class TrainConfig:
     grad_clip: float = 1.0
     """Clip the global gradient norm to this value (0 disables)."""
     precision: str = "auto"
-    """'fp32', 'bf16' (autocast) or 'auto' (bf16 on CUDA, fp32 on CPU)."""
+    """'fp32', 'bf16' (autocast) or 'auto': bf16 only where it is faster (a GPU that supports it, or a CPU
+    whose matmul probe shows it: native bf16, AVX512-BF16/AMX), else fp32. The choice is in run.json."""
     activation_checkpointing: bool = False
     """Recompute each block's activations in backward to save memory."""
     deterministic: bool = False
@@ -96,12 +104,17 @@ class TrainConfig:
 class EvalConfig:
     enabled: bool = True
     """Evaluate memorization at the end of training."""
+    every_pass: bool = False
+    """Also score the canaries after every pass over the stream (teacher-forced on the grid: exact match,
+    token accuracy, validation loss), into passes.jsonl: memorization as a function of passes."""
     suffix_len: int = 50
     """Tokens to extract: prefix = canary minus its last suffix_len tokens (Carlini/Goldfish: 50)."""
     batch_size: int = 64
     """Sequences per decoding batch."""
     exposure_samples: int = 2000
     """Candidates sampled per random canary for exposure when the space is too large to enumerate."""
+    pythia: bool = True
+    """Also run the Pythia protocol (32 tokens in, 32 greedy tokens out) beside the suffix protocol."""
     val_docs: int = 64
     """Held-out documents for validation loss."""
 

@@ -1,12 +1,16 @@
 """Evaluate a trained run's memorization of its canaries: extraction, exposure, MIA, validation loss.
 
+    pass_scores(model, stream, cfg)    # during training, after every pass (collective, on the grid)
     evaluate_after(cfg, result)        # right after `train` (collective; scores on global rank 0)
     evaluate_run("runs/my-run")        # `memtrain eval --run DIR`: again, from a checkpoint, one process
 
-Each canary is scored as the model saw it in training, i.e. preceded by the EOS that opens it; its
-held-out twin is scored the same way as the non-member control. Evaluation runs on global rank 0
-with the full (gathered) model on one process. Results: eval.json (aggregates, also split by copies)
-and eval_canaries.jsonl (one row per canary and twin, with the generated text).
+Each canary is scored as the model saw it in training, i.e. preceded by the EOS that opens it (with
+document attention, the default, that is exactly its training context wherever it sat in its row; without
+it, canaries placed mid-row are also extracted from their recorded row context, `in_row`); its held-out twin
+is scored the same way as the non-member control. The final evaluation runs on global rank 0 with the full
+(gathered) model on one process; the per-pass one is teacher-forced on the grid (exact match is then one
+forward pass: see memtrain.hf.teacher_forced). Results: eval.json (aggregates, also split by copies),
+eval_canaries.jsonl (one row per canary and twin, with the generated text) and passes.jsonl (per pass).
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -24,9 +29,11 @@ from memtrain.config import load as load_config
 from memtrain.data import build_stream
 from memtrain.data.canaries import render_secret
 from memtrain.files import write_atomic
+from memtrain.hf import teacher_forced
 from memtrain.models import build_model
-from memtrain.training import checkpoint
-from memtrain.training.trainer import TrainResult
+
+if TYPE_CHECKING:  # the trainer calls pass_scores: importing it here would be circular
+    from memtrain.training.trainer import TrainResult
 
 
 def _eval_canaries(canaries, eos: int, copies_seen: dict[str, int]) -> list[ev.Canary]:
@@ -101,27 +108,84 @@ def _mean(values):
     return float(np.mean(values)) if values else None
 
 
+def _val_sequences(stream, cfg) -> list[list[int]]:
+    tok = stream.tokenizer
+    return [[stream.eos_id, *tok(t, add_special_tokens=False)["input_ids"]][:stream.seq_len + 1]
+            for t in stream.val_texts[:cfg.eval.val_docs]]
+
+
+def pass_scores(model, stream, cfg) -> dict:
+    """Teacher-forced memorization and utility of a parallelized model after a pass (collective).
+
+    Per (kind, copies) cell of the inserted canaries: k exact of n (the whole suffix of cfg.eval.suffix_len
+    tokens greedily reproduced: identical to greedy extraction), token accuracy and mean loss of the suffix;
+    and the validation loss (token-weighted). The never-trained twins are scored at the end only.
+    """
+    n_suffix = cfg.eval.suffix_len
+    usable = [c for c in stream.canaries if len(c.token_ids) > n_suffix]
+    seqs = [[stream.eos_id, *c.token_ids] for c in usable]
+    val = _val_sequences(stream, cfg)
+    scores = teacher_forced(model, seqs + val, batch_size=cfg.eval.batch_size)
+    cells: dict = {}
+    for c, (loss, right) in zip(usable, scores):
+        cell = cells.setdefault(f"{c.kind}/{c.copies}", [0, 0, 0.0, 0.0])
+        cell[0] += bool(right[-n_suffix:].all())
+        cell[1] += 1
+        cell[2] += float(right[-n_suffix:].mean())
+        cell[3] += float(loss[-n_suffix:].mean())
+    k, n = sum(v[0] for v in cells.values()), sum(v[1] for v in cells.values())
+    out = {"members": {
+        "k": k, "n": n, "exact_match_rate": k / n if n else None,
+        "token_accuracy": sum(v[2] for v in cells.values()) / n if n else None,
+        "suffix_loss": sum(v[3] for v in cells.values()) / n if n else None,
+        "cells": {key: {"k": v[0], "n": v[1], "token_accuracy": v[2] / v[1]} for key, v in cells.items()}}}
+    val_scores = scores[len(seqs):]
+    tokens = sum(loss.size for loss, _ in val_scores)
+    out["val_loss"] = sum(float(loss.sum()) for loss, _ in val_scores) / tokens if tokens else None
+    return out
+
+
+def _in_row_canaries(stream, seen: dict[str, int]) -> list[ev.Canary]:
+    """Each canary as its first copy was trained without document attention: after the text before it in its
+    row (which ends with the EOS that opens it)."""
+    out = []
+    for c in stream.canaries:
+        p = c.placements[0]
+        context = stream.rows(p.seq_index, p.seq_index + 1)["input_ids"][0, :p.offset].tolist()
+        out.append(ev.Canary(tokens=context + list(c.token_ids), id=c.id, kind=c.kind,
+                             copies=seen.get(c.id, c.copies), inserted=True, text=c.text))
+    return out
+
+
 def evaluate(model, stream, cfg, run_dir: Path, steps: int) -> dict:
     """Score `model` (an HF causal LM on one process) on the stream's canaries; write the results."""
     model.eval()
     seen = copies_seen(stream, cfg.train.batch_size, steps)
     canaries = _eval_canaries(stream.canaries, stream.eos_id, seen)
+    buried = not stream.document_attention and any(p.offset > 1 for c in stream.canaries for p in c.placements)
     with torch.inference_mode():
-        ext = ev.extraction_eval(model, canaries, suffix_len=cfg.eval.suffix_len, batch_size=cfg.eval.batch_size)
-        mia = ev.mia_eval(model, canaries, batch_size=cfg.eval.batch_size)
+        ext = ev.extraction_eval(model, canaries, suffix_len=cfg.eval.suffix_len, batch_size=cfg.eval.batch_size,
+                                 pythia=cfg.eval.pythia)
+        in_row = ev.extraction_eval(model, _in_row_canaries(stream, seen), suffix_len=cfg.eval.suffix_len,
+                                    batch_size=cfg.eval.batch_size, pythia=False) if buried else None
+        mia = ev.mia_eval(model, canaries, batch_size=cfg.eval.batch_size) if canaries else None
         expo = _exposures(model, stream, cfg)
-        tok = stream.tokenizer
-        val = [[stream.eos_id, *tok(t, add_special_tokens=False)["input_ids"]][:stream.seq_len + 1]
-               for t in stream.val_texts[:cfg.eval.val_docs]]
+        val = _val_sequences(stream, cfg)
         val_loss = ev.validation_loss(model, val, batch_size=cfg.eval.batch_size) if val else None
 
-    mia_rows = {r["id"]: r for r in mia["rows"]}
+    tok = stream.tokenizer
+    mia_rows = {r["id"]: r for r in mia["rows"]} if mia else {}
     expo_rows = {r["id"]: r for r in expo}
+    in_row_rows = {r["id"]: r for r in in_row.rows} if in_row else {}
     rows = []
     for c, r in zip(canaries, ext.rows):
         row = dict(r, **{k: v for k, v in mia_rows.get(c.id, {}).items() if k not in r})
         row["exposure"] = expo_rows.get(c.id, {}).get("exposure")
         row["generated_text"] = tok.decode(r["generated"]) if r["generated"] else None
+        if r["generated"]:  # ROUGE-L on decoded text, as the Goldfish paper scores it
+            row["rouge_l_text"] = ev.rouge_l_text(row["generated_text"], tok.decode(c.tokens[-cfg.eval.suffix_len:]))
+        if c.inserted and c.id in in_row_rows:
+            row["exact_match_in_row"] = in_row_rows[c.id]["exact_match"]
         rows.append(row)
 
     def summary(sel):
@@ -130,9 +194,12 @@ def evaluate(model, stream, cfg, run_dir: Path, steps: int) -> dict:
         py = [r for r in members if r["pythia_score"] is not None]
         return {
             "n": len(members),
+            "n_evaluated": len(done),
+            "exact_count": sum(bool(r["exact_match"]) for r in done),
             "exact_match_rate": _mean([float(r["exact_match"]) for r in done]),
             "token_match": _mean([r["token_match"] for r in done]),
             "rougeL": _mean([r["rouge_l"] for r in done]),
+            "rougeL_text": _mean([r.get("rouge_l_text") for r in done]),
             "longest_prefix": _mean([r["longest_prefix"] for r in done]),
             "pythia_32_score": _mean([r["pythia_score"] for r in py]),
             "exposure_mean": _mean([r["exposure"] for r in members]),
@@ -141,16 +208,22 @@ def evaluate(model, stream, cfg, run_dir: Path, steps: int) -> dict:
     by_copies = {}
     for cp in sorted({r["copies"] for r in rows}):
         by_copies[str(cp)] = summary([r for r in rows if r["copies"] == cp])
-        m = mia["by_copies"].get(cp)
+        m = mia["by_copies"].get(cp) if mia else None
         by_copies[str(cp)]["mia_auc_loss"] = m["loss"]["auc"] if m else None
+    cells = {f"{kind}/{cp}": summary([r for r in rows if r["kind"] == kind and r["copies"] == cp])
+             for kind, cp in sorted({(r["kind"], r["copies"]) for r in rows})}
     twins = [dict(r, inserted=True) for r in rows if not r["inserted"]]
     result = dict(summary(rows),
-                  mia_auc_loss=mia["metrics"]["loss"]["auc"],
-                  mia={name: m for name, m in mia["metrics"].items()},
+                  mia_auc_loss=mia["metrics"]["loss"]["auc"] if mia else None,
+                  mia=dict(mia["metrics"]) if mia else {},
                   val_loss=val_loss["loss"] if val_loss else None,
                   val_perplexity=val_loss["perplexity"] if val_loss else None,
-                  twins=summary(twins), by_copies=by_copies, skipped=ext.skipped, steps=steps,
+                  unigram_entropy=stream.unigram_entropy(),
+                  twins=summary(twins), by_copies=by_copies, cells=cells, skipped=ext.skipped, steps=steps,
                   suffix_len=cfg.eval.suffix_len)
+    if in_row is not None:
+        result["in_row"] = {k: in_row.aggregates["overall"][k] for k in ("n_evaluated", "exact_match_rate",
+                                                                        "token_match_mean", "rouge_l_mean")}
     write_atomic(run_dir / "eval_canaries.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
     write_atomic(run_dir / "eval.json", json.dumps(result, indent=1))
     return result | {"rows": rows}
@@ -193,6 +266,8 @@ def evaluate_run(run_dir: Path, checkpoint_path: str | None = None) -> dict:
     if info.get("stream_key") != stream.key:
         raise ValueError(f"{str(run_dir)!r} was trained on another stream (tokenizer or data changed): "
                          "evaluate with the data and tokenizer it was trained with")
+    from memtrain.training import checkpoint  # not at the top: the trainer imports this module
+
     weights = checkpoint.read_weights(Path(checkpoint_path) if checkpoint_path else run_dir)
     model = _single_process_model(cfg, stream, weights)
     return evaluate(model, stream, cfg, run_dir, info["trained"]["steps"])

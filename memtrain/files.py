@@ -1,12 +1,14 @@
-"""Atomic writes of files and directories: a temporary name in the same directory, then a rename.
+"""Atomic writes of files and directories (a temporary name in the same directory, then a rename), and locks.
 
 A reader (another rank, another run, a resumed sweep) sees the old file or the whole new one, never half a
 file, and a crash mid-write leaves the previous version intact. The temporary name carries the pid, so two
-processes writing the same path never share one.
+processes writing the same path never share one. `file_lock` serializes the builders of one cache entry
+(two sweeps, or two runs of one sweep, needing the same stream or base model) across processes and threads.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 from pathlib import Path
@@ -35,3 +37,17 @@ def replace_dir(tmp: str | os.PathLike, final: str | os.PathLike) -> Path:
     os.replace(tmp, final)
     shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+@contextlib.contextmanager
+def file_lock(path: str | os.PathLike, blocking: bool = True):
+    """Hold an exclusive advisory lock on `path` (created if missing) for the block. Not blocking, a lock held
+    elsewhere raises BlockingIOError at once. flock is per open file, so threads of one process exclude each
+    other too; the lock goes with the process, so a killed holder never leaves it stuck."""
+    import fcntl
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
+        yield

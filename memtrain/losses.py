@@ -25,6 +25,13 @@ before target j), so a target whose document context starts in the previous row 
 kept. Canaries never hit that case (each copy lies inside one row, after its EOS), so all their copies
 are masked identically.
 
+The "reference" hash reproduces the Goldfish paper's code (`apply_goldfish`, hash-table mode) for
+side-by-side comparisons, weaknesses included: for the target at row position j >= h-1, key = the product
+of the h targets labels[j-h+1..j] (the target itself included) in wrapping int64 arithmetic, modulo
+1,000,003; the target is dropped iff table[key] < 1/k, where the table is 1,000,003 uniform floats from
+torch's CPU generator seeded 2,971,215,073. It is row-relative (the first h-1 targets of every row are kept,
+windows cross document boundaries), order-blind, and every window holding id 0 shares key 0.
+
 The "static" mask drops document positions p with p % k == k - 1 (the k-th, 2k-th, ... token of every
 document): deterministic, but unlike the paper's block-relative static mask it is also document-relative.
 
@@ -37,6 +44,7 @@ mean of means would weight them unequally.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -53,6 +61,9 @@ _MIX2 = 0x94D049BB133111EB
 # The polynomial base is below 2**31 so that multiplying a 32-bit half by it stays below 2**63.
 _P = 0x5BD1E995
 _BLOCK_TOKENS = 1 << 16
+REFERENCE_TABLE_SIZE = 1_000_003
+REFERENCE_TABLE_SEED = 2_971_215_073
+HASHES = ("memtrain", "reference")
 
 
 @dataclass
@@ -67,6 +78,10 @@ class LossConfig:
     """'hashed' (a hash of the preceding h tokens decides) or 'static' (every k-th document position)."""
     hash_seed: int = 0
     """Seed of the hash (0 <= seed < 2**64): a different seed drops a different, independent 1-in-k subset."""
+    hash: str = "memtrain"
+    """'memtrain' (an order-sensitive seeded 64-bit hash of the h tokens before the target, document-relative)
+    or 'reference' (the Goldfish paper's code: a random table indexed by the product of the h targets ending
+    at the target, row-relative; for side-by-side comparisons with the paper)."""
 
     def __post_init__(self):
         if self.kind not in ("standard", "goldfish"):
@@ -77,6 +92,8 @@ class LossConfig:
             raise ValueError(f"loss.h={self.h!r} is invalid: h must be an integer >= 1 (tokens of context)")
         if self.mask not in ("hashed", "static"):
             raise ValueError(f"loss.mask={self.mask!r} is invalid: use 'hashed' or 'static'")
+        if self.hash not in HASHES:
+            raise ValueError(f"loss.hash={self.hash!r} is invalid: use 'memtrain' or 'reference'")
         if not isinstance(self.hash_seed, int) or not 0 <= self.hash_seed <= _M64:
             raise ValueError(f"loss.hash_seed={self.hash_seed!r} is invalid: use an integer in [0, 2**64)")
 
@@ -194,6 +211,8 @@ def drop_mask(labels: torch.Tensor, doc_pos: torch.Tensor, cfg: LossConfig) -> t
         return torch.zeros_like(supervised)
     if cfg.mask == "static":
         return supervised & (doc_pos % cfg.k == cfg.k - 1)
+    if cfg.hash == "reference":
+        return supervised & reference_code_drop(labels, cfg.k, cfg.h)
     drop = torch.zeros(labels.shape, dtype=torch.bool, device=labels.device)
     S = labels.shape[-1]
     if S <= cfg.h:
@@ -208,6 +227,22 @@ def drop_mask(labels: torch.Tensor, doc_pos: torch.Tensor, cfg: LossConfig) -> t
         hi, lo = hash_windows(flat_labels[r:r + step], cfg.h, cfg.hash_seed)
         below = (hi < t_hi) | ((hi == t_hi) & (lo < t_lo))
         flat_drop[r:r + step, cfg.h:] = below & hashed[r:r + step, cfg.h:]
+    return drop
+
+
+@functools.cache
+def reference_code_table() -> torch.Tensor:
+    """The Goldfish code's table of uniform floats (on the CPU generator; theirs is drawn on the training
+    device, so on a GPU their table, and mask, differ from this one)."""
+    return torch.rand(REFERENCE_TABLE_SIZE, generator=torch.Generator().manual_seed(REFERENCE_TABLE_SEED))
+
+
+def reference_code_drop(labels: torch.Tensor, k: int, h: int) -> torch.Tensor:
+    """Bool [B, S]: the Goldfish code's hash-table drop decision for every target of each row (module docstring)."""
+    drop = torch.zeros(labels.shape, dtype=torch.bool, device=labels.device)
+    if labels.shape[-1] >= h:
+        keys = labels.long().unfold(-1, h, 1).prod(dim=-1) % REFERENCE_TABLE_SIZE
+        drop[..., h - 1:] = reference_code_table().to(labels.device)[keys] < 1 / k
     return drop
 
 

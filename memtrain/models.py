@@ -5,9 +5,13 @@
     model = build_model("/path/to/hf_dir")                               # from_pretrained, local files
 
 Families:
+- `width-*`: the size study's ladder. Llama blocks scaled in one way only, width at fixed depth: 2 layers,
+  heads of 32 dimensions (width / 32 of them, one at width 32), SwiGLU at 8/3 of the width (a multiple of
+  8), untied embeddings. At a 2048-token vocabulary: width-32 0.16M parameters, -64 0.36M, -128 0.92M,
+  -256 2.6M, -384 5.1M, -512 8.4M. Learning rates follow the width rule of train.lr_width.
 - `ladder-*`: Llama-architecture models from ~1M to ~100M parameters at vocab 4096 (a locally trained
-  tokenizer's size). Hidden size, heads, kv heads and intermediate size are all multiples of 8 so every
-  8-rank grid fits in sharded mode; embeddings are untied (as in Llama 3).
+  tokenizer's size), depth growing with width. Hidden size, heads, kv heads and intermediate size are all
+  multiples of 8 so every 8-rank grid fits in sharded mode; embeddings are untied (as in Llama 3).
 - `llama-3.1-8b/70b/405b`, `pythia-*` (GPT-NeoX), `gpt2`: the real shapes of the published models, to
   simulate them (device="meta") or train them with random init; load real weights with a local
   directory and `ParallelLM.load_hf_state_dict`.
@@ -53,6 +57,11 @@ def _ladder(hidden, layers, heads, kv_heads, intermediate):
                 rope_parameters=dict(rope_type="default", rope_theta=10000.0))
 
 
+def _width(hidden, layers=2, head_dim=32):
+    heads = max(1, hidden // head_dim)
+    return _ladder(hidden, layers, heads, heads, 8 * round(hidden * 8 / 3 / 8))
+
+
 def _pythia(hidden, layers, heads, vocab=50304):
     return dict(_PYTHIA, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
                 intermediate_size=4 * hidden, vocab_size=vocab)
@@ -60,6 +69,7 @@ def _pythia(hidden, layers, heads, vocab=50304):
 
 # name -> config keyword arguments (model_type selects the transformers config class).
 MODELS: dict[str, dict] = {
+    **{f"width-{w}": _width(w) for w in (32, 64, 128, 256, 384, 512)},
     #                        hidden layers heads kv  intermediate   ~params at vocab 4096
     "ladder-1m": _ladder(64, 6, 8, 8, 256),        # 0.92M
     "ladder-3m": _ladder(128, 8, 8, 8, 384),       # 2.8M

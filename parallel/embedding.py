@@ -215,6 +215,22 @@ class LMHead(ShardedWeight):
         return loss.view(lead)
 
     @torch.no_grad()
+    def scores(self, hidden: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-token loss and greedy (argmax) token, both in the caller's row layout like `loss`, from one
+        logits computation (evaluation: no gradient)."""
+        lead = labels.shape
+        labels = labels.reshape(-1)
+        logits = self.logits(hidden)
+        if self.mode == "easy":
+            labels = comm.all_gather(labels, self.grid, self.out_axis)
+        top = vocab_parallel_argmax(logits, self.grid, self.out_axis, self.valid)
+        loss = vocab_parallel_cross_entropy(logits, labels, self.grid, self.out_axis)
+        if self.mode == "easy":  # every Y member computed the whole column's rows: keep this rank's chunk
+            n, i = loss.shape[0] // self.grid.size(self.out_axis), self.grid.coord(self.out_axis)
+            loss, top = loss[i * n:(i + 1) * n], top[i * n:(i + 1) * n]
+        return loss.view(lead), top.view(lead)
+
+    @torch.no_grad()
     def load_full(self, weight: torch.Tensor) -> None:
         self.load_full_weight(weight)
 

@@ -34,6 +34,13 @@ class DataConfig:
     """Vocabulary of the trained BPE, EOS included (ignored for a pretrained tokenizer)."""
     seq_len: int = 256
     """Input tokens per training sequence (labels are the next tokens)."""
+    document_attention: bool = True
+    """Each packed document attends only to itself, positions restarting at its EOS, so a canary is trained
+    in exactly the context it is evaluated in wherever it sits in a row; false: attention across the whole
+    row (classic packing), and evaluation also scores canaries from their recorded in-row context."""
+    max_text_tokens: int | None = None
+    """Keep at most this many tokens of corpus text (whole documents in shuffled order, the last one cut) in
+    the training stream besides the canaries; None keeps all of it."""
     cache_dir: str | None = None
     """Where tokenizers and prepared streams are cached; default $MEMTRAIN_CACHE or ~/.cache/memtrain."""
 
@@ -45,6 +52,8 @@ class DataConfig:
                              "use >= 258 (256 bytes + EOS + merges)")
         if not 0.0 <= self.val_fraction < 1.0:
             raise ValueError(f"data.val_fraction={self.val_fraction} is invalid: use a value in [0, 1)")
+        if self.max_text_tokens is not None and self.max_text_tokens < 0:
+            raise ValueError(f"data.max_text_tokens={self.max_text_tokens} is invalid: use None (all) or >= 0")
         if self.max_docs is not None and self.max_docs < 1:
             raise ValueError(f"data.max_docs={self.max_docs} is invalid: use None (all) or >= 1")
         if self.txt_sample_by not in ("document", "paragraph", "line"):
@@ -65,9 +74,10 @@ class CanaryConfig:
     """Canaries of each kind (each also gets a held-out twin drawn the same way, never trained on)."""
     copies: list[int] = field(default_factory=lambda: [1, 2, 4, 8])
     """Duplication levels: canary i of each kind is inserted copies[i % len(copies)] times."""
-    placement: str | int = "random"
-    """Offset of a canary's first token in its sequence: 'start' (1, right after the EOS that opens it),
-    'random' (uniform over the offsets where it fits), or a fixed int >= 1."""
+    placement: str | int = "start"
+    """Offset of a canary's first token in its sequence: 'start' (1, right after the EOS that opens it: every
+    copy starts a sequence, as in the Goldfish setup), 'random' (uniform over the offsets where it fits: buried
+    in the row's text), or a fixed int >= 1."""
     length: int = 64
     """Tokens per canary for random-token and document canaries (secrets have the template's length)."""
     random_format: str = "secret"
@@ -75,8 +85,9 @@ class CanaryConfig:
     'tokens': `length` token ids drawn uniformly from the vocabulary (special tokens excluded)."""
     secret_groups: int = 4
     """Groups of 4 digits in a secret: the candidate space has 10**(4 * secret_groups) secrets."""
-    seed: int = 0
-    """Seed of canary content (which secrets, which documents); placement follows the stream seed."""
+    seed: int | None = None
+    """Seed of canary content (which secrets, which documents); None follows train.seed, so a seeds axis draws
+    new canaries for every seed. Placement always follows train.seed."""
 
     def __post_init__(self):
         self.kinds = list(self.kinds)

@@ -12,9 +12,15 @@ of the last row is padding (label -100) when the text runs out.
 doc_pos[t] is the position of T[t] inside its document: the number of tokens since the last EOS
 (or padding, or the start of the stream).
 
-The stream is a pure function of (corpus, tokenizer, seq_len, val_fraction, canary config, seed): no
-model or parallel setting enters, so every model size and every grid trains on the same bytes. It is
-cached under <cache>/streams/<key>, key = hash of all of these.
+Document attention (data.document_attention, the default): batches carry position_ids that restart at
+every EOS of the inputs (the EOS that opens a document is its position 0) and at every row start. Given
+position ids that restart, transformers masks attention block-diagonally (packed sequences), so each
+document attends only to itself: a canary copy anywhere in a row is seen exactly as it is at evaluation,
+[EOS, canary] from position 0, whatever text precedes it in the row.
+
+The stream is a pure function of (corpus, tokenizer, seq_len, val_fraction, max_text_tokens, canary
+config, seed): no model or parallel setting enters, so every model size and every grid trains on the same
+bytes. It is cached under <cache>/streams/<key>, key = hash of all of these.
 """
 
 from __future__ import annotations
@@ -32,7 +38,7 @@ from memtrain.data.canaries import Canary, Placement, make_document_canaries, ma
 from memtrain.data.config import CanaryConfig, DataConfig
 from memtrain.data.corpus import load_corpus
 from memtrain.data.tokenizer import encode, load_tokenizer, tokenizer_fingerprint, vocab_size
-from memtrain.files import write_atomic
+from memtrain.files import file_lock, write_atomic
 from parallel import IGNORE_INDEX
 
 FORMAT_VERSION = 1
@@ -44,9 +50,11 @@ class TrainStream:
     """Packed training sequences, canaries with their placements, and held-out validation text."""
 
     def __init__(self, tokens: np.ndarray, seq_len: int, canaries: list[Canary], val_texts: list[str],
-                 tokenizer, meta: dict):
+                 tokenizer, meta: dict, document_attention: bool = True):
         self.tokens = tokens
         self.seq_len = seq_len
+        self.document_attention = document_attention
+        """Batches carry position_ids restarting at every document (see the module docstring)."""
         self.canaries = canaries
         self.val_texts = val_texts
         """Documents held out of training (never canaries), for validation loss / utility."""
@@ -68,16 +76,26 @@ class TrainStream:
         return -(-len(self) // batch_size)
 
     def rows(self, lo: int, hi: int) -> dict[str, np.ndarray]:
-        """Rows [lo, hi) as numpy arrays: input_ids, labels (-100 where unsupervised), doc_pos of labels."""
+        """Rows [lo, hi) as numpy arrays: input_ids, labels (-100 where unsupervised), doc_pos of labels, and
+        with document attention position_ids."""
         if not 0 <= lo < hi <= len(self):
             raise IndexError(f"rows [{lo}, {hi}) outside the stream's {len(self)} sequences")
         S = self.seq_len
         idx = np.arange(lo, hi)[:, None] * S + np.arange(S + 1)[None, :]
         t = self.tokens[idx].astype(np.int64)
         x, y = t[:, :-1], t[:, 1:]
-        return {"input_ids": np.where(x == PAD, self.eos_id, x),
-                "labels": np.where((y == PAD) | (x == PAD), IGNORE_INDEX, y),
-                "doc_pos": self.doc_pos[idx[:, 1:]].astype(np.int64)}
+        out = {"input_ids": np.where(x == PAD, self.eos_id, x),
+               "labels": np.where((y == PAD) | (x == PAD), IGNORE_INDEX, y),
+               "doc_pos": self.doc_pos[idx[:, 1:]].astype(np.int64)}
+        if self.document_attention:
+            out["position_ids"] = row_positions(out["input_ids"], self.eos_id)
+        return out
+
+    def unigram_entropy(self) -> float:
+        """Entropy (nats) of the stream's token frequencies: the loss of the best model that ignores context."""
+        counts = np.bincount(self.tokens[self.tokens != PAD]).astype(np.float64)
+        p = counts[counts > 0] / counts.sum()
+        return float(-(p * np.log(p)).sum())
 
     def batch(self, step: int, batch_size: int) -> dict[str, torch.Tensor]:
         """Global batch `step`: sequences [step*B, (step+1)*B) as long tensors [B, S] (+ seq_index [B]).
@@ -128,6 +146,15 @@ def document_positions(tokens: np.ndarray, eos_id: int) -> np.ndarray:
     return (idx - np.maximum.accumulate(np.where(starts, idx, 0))).astype(np.int32)
 
 
+def row_positions(input_ids: np.ndarray, eos_id: int) -> np.ndarray:
+    """Position ids [B, S] that restart at every EOS input (position 0 of the document it opens) and at
+    every row start: what document attention feeds the model."""
+    starts = input_ids == eos_id
+    starts[:, 0] = True
+    idx = np.broadcast_to(np.arange(input_ids.shape[1]), input_ids.shape)
+    return idx - np.maximum.accumulate(np.where(starts, idx, 0), axis=1)
+
+
 def occurrences(tokens: np.ndarray, ids: list[int]) -> list[int]:
     """Every start index of the token sequence `ids` in `tokens` (byte search, fast on long streams)."""
     hay = np.ascontiguousarray(tokens, dtype=np.int32).tobytes()
@@ -148,17 +175,24 @@ def build_stream(data_cfg: DataConfig, canary_cfg: CanaryConfig | None = None, s
     cache = data_cfg.resolved_cache_dir()
     spec = {"version": FORMAT_VERSION, "corpus": corpus.fingerprint, "tokenizer": tokenizer_fingerprint(tok),
             "seq_len": data_cfg.seq_len, "val_fraction": data_cfg.val_fraction,
-            "canaries": asdict(canary_cfg), "seed": seed}
+            "max_text_tokens": data_cfg.max_text_tokens, "canaries": asdict(canary_cfg), "seed": seed}
     key = _hash(spec)
     folder = cache / "streams" / key
-    if (folder / "meta.json").exists():
-        meta = json.loads((folder / "meta.json").read_text())
-        tokens = np.load(folder / "tokens.npy")
-        canaries = [Canary.from_dict(d) for d in json.loads((folder / "canaries.json").read_text())]
-        val = json.loads((folder / "val.json").read_text())
-        return TrainStream(tokens, data_cfg.seq_len, canaries, val, tok, meta)
+    if not (folder / "meta.json").exists():
+        with file_lock(folder.with_name(f"{key}.lock")):  # runs side by side build one entry once
+            if not (folder / "meta.json").exists():
+                _write_stream(folder, data_cfg, canary_cfg, seed, corpus, tok, {**spec, "key": key})
+    meta = json.loads((folder / "meta.json").read_text())
+    tokens = np.load(folder / "tokens.npy")
+    canaries = [Canary.from_dict(d) for d in json.loads((folder / "canaries.json").read_text())]
+    val = json.loads((folder / "val.json").read_text())
+    return TrainStream(tokens, data_cfg.seq_len, canaries, val, tok, meta, data_cfg.document_attention)
 
-    docs = _tokenized(corpus, tok, cache)
+
+def _write_stream(folder: Path, data_cfg: DataConfig, canary_cfg: CanaryConfig, seed: int, corpus, tok,
+                  meta: dict) -> None:
+    """Split the corpus, draw and place the canaries, pack, and write the stream's cache entry."""
+    docs = _tokenized(corpus, tok, data_cfg.resolved_cache_dir())
     S, eos = data_cfg.seq_len, int(tok.eos_token_id)
     n = len(corpus.docs)
     n_val = max(1, round(data_cfg.val_fraction * n)) if data_cfg.val_fraction and n > 1 else 0
@@ -167,12 +201,13 @@ def build_stream(data_cfg: DataConfig, canary_cfg: CanaryConfig | None = None, s
 
     canaries: list[Canary] = []
     held: set[int] = set()
+    content_seed = seed if canary_cfg.seed is None else canary_cfg.seed
     if canary_cfg.number and "random" in canary_cfg.kinds:
-        canaries += make_random_canaries(canary_cfg, tok, np.random.default_rng([canary_cfg.seed, 1]))
+        canaries += make_random_canaries(canary_cfg, tok, np.random.default_rng([content_seed, 1]))
     if canary_cfg.number and "document" in canary_cfg.kinds:
         candidates = [i for i in rest if len(docs[i]) >= canary_cfg.length]
         doc_canaries, used = make_document_canaries(canary_cfg, tok, corpus.docs, candidates,
-                                                    np.random.default_rng([canary_cfg.seed, 2]))
+                                                    np.random.default_rng([content_seed, 2]))
         canaries += doc_canaries
         held.update(used)
     for c in canaries:
@@ -187,25 +222,25 @@ def build_stream(data_cfg: DataConfig, canary_cfg: CanaryConfig | None = None, s
                          f"{len(val_idx)} validation and {len(held)} canary documents: use a larger corpus")
     order = np.random.default_rng([seed, 1]).permutation(np.asarray(train))
     text = np.concatenate([x for i in order for x in (docs[i], np.array([eos], dtype=np.int32))])
+    if data_cfg.max_text_tokens is not None:
+        text = text[:data_cfg.max_text_tokens]
 
     n_copies = sum(c.copies for c in canaries)
     need = len(text) + sum(c.copies * (len(c.token_ids) + 2) for c in canaries)
-    n_seq = max(1, -(-(need - 1) // S))
-    if n_copies > n_seq:
-        raise ValueError(f"{n_copies} canary copies but only {n_seq} sequences (at most one copy per "
-                         "sequence): lower canary.number or canary.copies, or use a larger corpus")
+    n_seq = max(1, n_copies, -(-(need - 1) // S))  # every copy has a row of its own
     _place(canaries, n_seq, S, canary_cfg.placement, np.random.default_rng([seed, 2]))
     tokens = _pack(text, canaries, n_seq, S, eos)
 
-    meta = {**spec, "key": key, "corpus_source": corpus.source, "n_seq": n_seq, "n_docs": n,
-            "n_train_docs": len(train), "n_val_docs": len(val_idx), "n_canary_docs": len(held),
-            "text_tokens": int(len(text)), "canary_copies": n_copies}
+    meta = {**meta, "corpus_source": corpus.source, "n_seq": n_seq, "n_docs": n, "n_train_docs": len(train),
+            "n_val_docs": len(val_idx), "n_canary_docs": len(held), "text_tokens": int(len(text)),
+            "canary_copies": n_copies}
     folder.mkdir(parents=True, exist_ok=True)
     write_atomic(folder / "tokens.npy", _npy_bytes(tokens))
     write_atomic(folder / "canaries.json", json.dumps([c.to_dict() for c in canaries]).encode())
     write_atomic(folder / "val.json", json.dumps([corpus.docs[i].text for i in sorted(val_idx)]).encode())
     write_atomic(folder / "meta.json", json.dumps(meta, indent=1).encode())  # last: marks the entry complete
-    return TrainStream(tokens, S, canaries, [corpus.docs[i].text for i in sorted(val_idx)], tok, meta)
+
+
 
 
 def _place(canaries: list[Canary], n_seq: int, S: int, placement, rng: np.random.Generator) -> None:

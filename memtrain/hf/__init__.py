@@ -6,12 +6,12 @@
 architectures.py  one object per architecture: block layers, ends, init rule, checkpoint names
 slots.py          how each HF tensor maps onto this rank's shard (seeded init, loading, gathering)
 parallelize.py    `parallelize` and the resulting `ParallelLM`; `export_hf`
-decode.py         batched greedy decoding with a KV cache on a parallelized model
+decode.py         batched greedy decoding with a KV cache, and teacher-forced scoring, on a parallelized model
 """
 
 from memtrain.hf.architectures import ARCHITECTURES, Architecture, Shape, architecture_of
-from memtrain.hf.decode import ParallelStepper, parallel_greedy_decode
+from memtrain.hf.decode import ParallelStepper, parallel_greedy_decode, teacher_forced
 from memtrain.hf.parallelize import ParallelLM, export_hf, parallelize
 
 __all__ = ["ARCHITECTURES", "Architecture", "ParallelLM", "ParallelStepper", "Shape", "architecture_of",
-           "export_hf", "parallel_greedy_decode", "parallelize"]
+           "export_hf", "parallel_greedy_decode", "parallelize", "teacher_forced"]

@@ -27,10 +27,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from contextlib import contextmanager
 
+import numpy as np
 import torch
 
 from eval.decode import HFStepper, greedy_decode_batch, pad_left
-from parallel import comm, vocab_parallel_argmax
+from parallel import IGNORE_INDEX, comm, vocab_parallel_argmax
 
 
 class ShardedLogits:
@@ -86,6 +87,20 @@ def _eval_mode(module):
         module.train(was)
 
 
+def _row_batches(plm, seqs: Sequence[Sequence[int]], batch_size: int):
+    """Global batches of `batch_size` rows per row group, shortest sequences first: (their input indices, the
+    sequences plus dummies, copies of the first, up to a multiple of the row groups so every group gets the
+    same count)."""
+    if batch_size < 1:
+        raise ValueError(f"batch_size={batch_size}: use at least one row per rank")
+    groups = plm.grid.size(plm.row_axes)
+    order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
+    for start in range(0, len(order), batch_size * groups):
+        idx = order[start:start + batch_size * groups]
+        rows = -(-len(idx) // groups) * groups
+        yield idx, [seqs[i] for i in idx] + [seqs[idx[0]]] * (rows - len(idx))
+
+
 @torch.inference_mode()
 def parallel_greedy_decode(plm, prefixes: Sequence[Sequence[int]], n_new: int, batch_size: int = 64,
                            pad_id: int = 0) -> torch.Tensor:
@@ -98,25 +113,47 @@ def parallel_greedy_decode(plm, prefixes: Sequence[Sequence[int]], n_new: int, b
     """
     if n_new < 1:
         raise ValueError(f"n_new={n_new}: decode at least one token")
-    if batch_size < 1:
-        raise ValueError(f"batch_size={batch_size}: use at least one row per rank")
-    grid, axes = plm.grid, plm.row_axes
-    groups = grid.size(axes)
     device = next(plm.parameters()).device
     step = ParallelStepper(plm)
-    order = sorted(range(len(prefixes)), key=lambda i: len(prefixes[i]))
     result = torch.empty((len(prefixes), n_new), dtype=torch.long)
     with _eval_mode(plm):
-        for start in range(0, len(order), batch_size * groups):
-            idx = order[start:start + batch_size * groups]
-            rows = -(-len(idx) // groups) * groups  # round up: every row group gets the same count
-            seqs = [prefixes[i] for i in idx] + [prefixes[idx[0]]] * (rows - len(idx))  # dummies: shortest
+        for idx, seqs in _row_batches(plm, prefixes, batch_size):
             ids, mask = pad_left(seqs, pad_id)
-            local = plm.local_rows(rows)
+            local = plm.local_rows(len(seqs))
             gen = greedy_decode_batch(step, ids[local].to(device), mask[local].to(device), n_new)
-            gen = comm.all_gather(gen.contiguous(), grid, axes)  # [rows, n_new] in row order
+            gen = comm.all_gather(gen.contiguous(), plm.grid, plm.row_axes)  # [rows, n_new] in row order
             result[torch.as_tensor(idx)] = gen[:len(idx)].cpu()
     return result
 
 
-__all__ = ["ParallelStepper", "ShardedLogits", "parallel_greedy_decode"]
+@torch.inference_mode()
+def teacher_forced(plm, sequences: Sequence[Sequence[int]], batch_size: int = 64,
+                   pad_id: int = 0) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Teacher-forced scores of every sequence, in input order, on every rank: for tokens 1..L-1 of each, its
+    natural-log loss and whether it is the model's greedy choice given the true tokens before it.
+
+    Collective over the whole grid; every rank passes the same sequences. Greedy decoding reproduces a suffix
+    exactly when every token of it is the greedy choice here (decoding feeds back its own tokens, which are
+    the true ones as long as none was wrong), so exact match takes one forward pass instead of one per token.
+    """
+    device = next(plm.parameters()).device
+    out: list = [None] * len(sequences)
+    with _eval_mode(plm):
+        for idx, seqs in _row_batches(plm, sequences, batch_size):
+            width = max(map(len, seqs))
+            ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+            labels = torch.full((len(seqs), width), IGNORE_INDEX, dtype=torch.long)
+            for r, seq in enumerate(seqs):  # right-padded: causal attention never lets padding reach a token
+                ids[r, :len(seq)] = torch.as_tensor(list(seq))
+                labels[r, :len(seq) - 1] = ids[r, 1:len(seq)]
+            local = plm.local_rows(len(seqs))
+            loss, top = plm.token_scores(ids[local].to(device), labels[local].to(device))
+            both = torch.stack([loss.double(), (top == labels[local].to(device)).double()], dim=1)
+            both = comm.all_gather(both.contiguous(), plm.grid, plm.row_axes).cpu().numpy()  # [rows, 2, width]
+            for r, i in enumerate(idx):
+                n = len(sequences[i]) - 1
+                out[i] = (both[r, 0, :n], both[r, 1, :n].astype(bool))
+    return out
+
+
+__all__ = ["ParallelStepper", "ShardedLogits", "parallel_greedy_decode", "teacher_forced"]

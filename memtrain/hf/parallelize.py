@@ -83,18 +83,27 @@ class ParallelLM(nn.Module):
         k = global_batch_size // p
         return slice(i * k, (i + 1) * k)
 
-    def token_losses(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def token_losses(self, input_ids: torch.Tensor, labels: torch.Tensor,
+                     position_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Per-token cross-entropy [b, S] of this rank's rows; labels[:, j] is the target of position j
-        (already shifted), -100 gives 0. In sharded mode the result is replicated over X and Y."""
+        (already shifted), -100 gives 0. In sharded mode the result is replicated over X and Y.
+        position_ids that restart inside a row make each restarted run a document of its own: transformers
+        then masks attention block-diagonally (its packed-sequence path)."""
         if self.training and self.mode == "sharded" and self._dropout:
             raise ValueError(f"{type(self.model).__name__} has dropout ({self._dropout[0]}) in training: sharded "
                              "mode replicates activations over Y, which would need identical masks on every "
                              "replica; set the config's dropout fields to 0 (e.g. build_model(name, attn_pdrop=0.0, "
                              "resid_pdrop=0.0, embd_pdrop=0.0)), call .eval(), or use mode='easy'")
-        out = self.model.base_model(input_ids=input_ids, use_cache=False)
+        out = self.model.base_model(input_ids=input_ids, position_ids=position_ids, use_cache=False)
         return self.head.loss(out[0], labels)
 
     forward = token_losses
+
+    @torch.inference_mode()
+    def token_scores(self, input_ids: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Teacher-forced (loss, greedy token) [b, S] of this rank's rows, as `token_losses` lays them out."""
+        out = self.model.base_model(input_ids=input_ids, use_cache=False)
+        return self.head.scores(out[0], labels)
 
     def enable_activation_checkpointing(self) -> None:
         """Recompute each transformer block's forward during backward instead of keeping its activations.

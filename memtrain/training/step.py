@@ -16,32 +16,51 @@ import torch
 import parallel
 from memtrain.config import RunConfig
 from memtrain.losses import loss_sums
+from memtrain.training.perf import bf16_faster
 
 
-def autocast_dtype(cfg: RunConfig, device: torch.device) -> torch.dtype | None:
-    """The matmul dtype under autocast (None: plain fp32)."""
+def autocast_dtype(cfg: RunConfig, device: torch.device, grid: parallel.Grid | None = None) -> torch.dtype | None:
+    """The matmul dtype under autocast (None: plain fp32).
+
+    'auto' takes bf16 only where it is faster: on CUDA when the GPU supports it, on a CPU when a matmul probe
+    says so (machines differ: AVX512-BF16/AMX runs bf16 2-4x faster than fp32, AVX2-only 15-40x slower).
+    Collective when `grid` has several ranks: bf16 only if every rank's probe agrees, so no two ranks ever
+    compute in different dtypes.
+    """
     p = cfg.train.precision
     if p not in ("auto", "fp32", "bf16"):
         raise ValueError(f"train.precision={p!r} is invalid: use 'auto', 'fp32' or 'bf16'")
-    if p == "bf16" or (p == "auto" and device.type == "cuda"):
-        return torch.bfloat16
-    return None
+    if p != "auto":
+        return torch.bfloat16 if p == "bf16" else None
+    vote = torch.tensor([1.0 if bf16_faster(device) else 0.0], device=device)
+    if grid is not None and grid.world_size > 1:
+        parallel.comm.all_reduce(vote, grid, parallel.AXES, op=torch.distributed.ReduceOp.MIN)
+    return torch.bfloat16 if vote.item() == 1.0 else None
+
+
+def peak_lr(cfg: RunConfig, hidden_size: int) -> float:
+    """The learning rate of this model: train.lr * lr_scale, times (lr_width / hidden_size) ** lr_width_exponent
+    when train.lr_width is set (the learning rate falling with width, from a base tuned at width lr_width)."""
+    t = cfg.train
+    width = 1.0 if t.lr_width is None else (t.lr_width / hidden_size) ** t.lr_width_exponent
+    return t.lr * t.lr_scale * width
 
 
 def build_optimizer(plm, cfg: RunConfig) -> torch.optim.AdamW:
-    """AdamW over this rank's shards: matrices (every engine weight is a matrix shard) decay; norms and biases
-    do not."""
+    """AdamW over this rank's shards at `peak_lr`: matrices (every engine weight is a matrix shard) decay;
+    norms and biases do not."""
     params = [p for p in parallel.unique_parameters(plm) if p.requires_grad]
     decay = [p for p in params if parallel.spec_of(p).shard_axes == ("x", "y", "z") or p.dim() >= 2]
     rest = [p for p in params if all(p is not q for q in decay)]
     t = cfg.train
     return torch.optim.AdamW([{"params": decay, "weight_decay": t.weight_decay},
                               {"params": rest, "weight_decay": 0.0}],
-                             lr=t.lr, betas=(t.beta1, t.beta2), eps=1e-8)
+                             lr=peak_lr(cfg, plm.config.hidden_size), betas=(t.beta1, t.beta2), eps=1e-8)
 
 
 def build_schedule(opt, cfg: RunConfig, total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
-    """Linear warm-up to train.lr, then a cosine decay to train.min_lr at `total_steps`."""
+    """Linear warm-up to the optimizer's lr, then a cosine decay to min_lr / lr of it at `total_steps` (the
+    ratio of train.min_lr to train.lr, so a width-scaled lr keeps its schedule's shape)."""
     t = cfg.train
 
     def factor(step: int) -> float:
@@ -55,9 +74,10 @@ def build_schedule(opt, cfg: RunConfig, total_steps: int) -> torch.optim.lr_sche
 
 
 def train_step(plm, grid: parallel.Grid, opt, input_ids: torch.Tensor, labels: torch.Tensor, keep: torch.Tensor,
-               micro_batch: int, *, amp: torch.dtype | None = None, overlap: bool = True,
-               grad_clip: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+               micro_batch: int, *, position_ids: torch.Tensor | None = None, amp: torch.dtype | None = None,
+               overlap: bool = True, grad_clip: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """One optimizer step on a global batch (every rank passes the whole batch and takes its own rows).
+    position_ids (document attention) restart at every packed document, which then attends only to itself.
 
     Returns the step's global loss sums [kept loss, kept tokens, dropped loss, dropped tokens] (float64,
     all-reduced) and the global gradient norm before clipping. The planner's byte model is tested against
@@ -67,6 +87,7 @@ def train_step(plm, grid: parallel.Grid, opt, input_ids: torch.Tensor, labels: t
     n_kept = keep.sum().clamp(min=1)  # the global count: every rank sees the whole batch's labels
     rows = plm.local_rows(input_ids.shape[0])
     ids, labels, keep = input_ids[rows], labels[rows], keep[rows]
+    pos = position_ids[rows] if position_ids is not None else None
     opt.zero_grad(set_to_none=True)
     sums = torch.zeros(4, dtype=torch.float64)
     for i in range(0, ids.shape[0], micro_batch):
@@ -75,7 +96,8 @@ def train_step(plm, grid: parallel.Grid, opt, input_ids: torch.Tensor, labels: t
         ac = torch.autocast(device.type, dtype=amp) if amp else nullcontext()
         with ov:
             with ac:
-                token_losses = plm.token_losses(ids[sl].to(device), labels[sl].to(device))
+                token_losses = plm.token_losses(ids[sl].to(device), labels[sl].to(device),
+                                                None if pos is None else pos[sl].to(device))
             s = loss_sums(token_losses.float(), keep[sl].to(device), labels[sl].to(device))
             (s.kept_sum / n_kept).backward()
         sums += torch.stack([x.detach().double().cpu() for x in s])

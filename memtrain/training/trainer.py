@@ -23,13 +23,14 @@ import parallel
 from memtrain.config import RunConfig, to_toml
 from memtrain.config import load as load_config
 from memtrain.data import TrainStream, build_stream
+from memtrain.evaluate import pass_scores
 from memtrain.files import write_atomic
 from memtrain.hf import ParallelLM, parallelize
 from memtrain.losses import keep_mask
 from memtrain.models import build_model
 from memtrain.training import checkpoint
 from memtrain.training.perf import matmul_peak_flops
-from memtrain.training.step import autocast_dtype, build_optimizer, build_schedule, train_step
+from memtrain.training.step import autocast_dtype, build_optimizer, build_schedule, peak_lr, train_step
 from memtrain.training.tracking import Tracker
 
 
@@ -54,8 +55,8 @@ def _append_jsonl(path: Path, record: dict) -> None:
         f.flush()
 
 
-def _truncate_metrics(path: Path, last_step: int) -> None:
-    """On resume, keep metrics of steps the checkpoint covers (later lines came from the lost run)."""
+def _truncate_jsonl(path: Path, last_step: int) -> None:
+    """On resume, keep the lines of steps the checkpoint covers (later lines came from the lost run)."""
     if not path.is_file():
         return
     kept = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= last_step]
@@ -143,7 +144,7 @@ def train(cfg: RunConfig, out_dir: str | Path, *, resume: bool = False,
     opt = build_optimizer(plm, cfg)
     sched = build_schedule(opt, cfg, total)
     start = 0
-    metrics_path = out / "metrics.jsonl"
+    metrics_path, passes_path = out / "metrics.jsonl", out / "passes.jsonl"
     if resume:
         ckpt = checkpoint.latest(out)
         if ckpt is None:
@@ -157,16 +158,18 @@ def train(cfg: RunConfig, out_dir: str | Path, *, resume: bool = False,
         torch.set_rng_state(torch.tensor(state["rng"], dtype=torch.uint8))
         start = state["step"]
         if grid.rank == 0:
-            _truncate_metrics(metrics_path, start)
-    if grid.rank == 0:
-        trained = {"steps": total, "epochs": t.epochs}
-        stream.write_manifest(out, B, grid.data if plm.mode == "sharded" else grid.world_size)
-        (out / "run.json").write_text(json.dumps({"stream_key": stream.key, "trained": trained,
-                                                   "grid": {a: getattr(grid, a) for a in parallel.AXES},
-                                                   "mode": plm.mode, "params": plm.num_params()}))
-
+            for path in (metrics_path, passes_path):
+                _truncate_jsonl(path, start)
     device = next(plm.parameters()).device
-    amp = autocast_dtype(cfg, device)
+    amp = autocast_dtype(cfg, device, grid)
+    if grid.rank == 0:
+        trained = {"steps": total, "epochs": t.epochs, "steps_per_pass": steps_per_epoch}
+        stream.write_manifest(out, B, grid.data if plm.mode == "sharded" else grid.world_size)
+        write_atomic(out / "run.json", json.dumps({
+            "stream_key": stream.key, "trained": trained, "grid": {a: getattr(grid, a) for a in parallel.AXES},
+            "mode": plm.mode, "params": plm.num_params(), "hidden_size": plm.config.hidden_size,
+            "lr": peak_lr(cfg, plm.config.hidden_size), "precision": "bf16" if amp else "fp32"}))
+
     peak = matmul_peak_flops(device, amp or torch.float32)
     flops_per_token = 6 * plm.num_params()
     last: dict = {}
@@ -177,8 +180,9 @@ def train(cfg: RunConfig, out_dir: str | Path, *, resume: bool = False,
         batch = stream.batch(step % steps_per_epoch, B)
         keep = keep_mask(batch["labels"], batch["doc_pos"], cfg.loss)
         lr = sched.get_last_lr()[0]
-        sums, norm = train_step(plm, grid, opt, batch["input_ids"], batch["labels"], keep, mb, amp=amp,
-                                overlap=p.overlap, grad_clip=t.grad_clip)
+        sums, norm = train_step(plm, grid, opt, batch["input_ids"], batch["labels"], keep, mb,
+                                position_ids=batch.get("position_ids"), amp=amp, overlap=p.overlap,
+                                grad_clip=t.grad_clip)
         sched.step()
         dt = time.perf_counter() - t0
         tokens = B * stream.seq_len
@@ -198,6 +202,11 @@ def train(cfg: RunConfig, out_dir: str | Path, *, resume: bool = False,
         progress(record)
         if on_step is not None:
             on_step(record)
+        if cfg.eval.every_pass and (step + 1) % steps_per_epoch == 0:
+            scores = {"pass": (step + 1) // steps_per_epoch, "step": step + 1, **pass_scores(plm, stream, cfg)}
+            if grid.rank == 0:
+                _append_jsonl(passes_path, scores)
+                tracker.log({"pass": scores}, step + 1)
         if t.checkpoint_every and (step + 1) % t.checkpoint_every == 0 and step + 1 < total:
             checkpoint.save(out, plm, opt, sched, step + 1, {"config_digest": cfg.digest()})
     checkpoint.save(out, plm, opt, sched, total, {"config_digest": cfg.digest()})

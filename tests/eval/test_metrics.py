@@ -9,6 +9,7 @@ from eval.metrics import (
     match_metrics,
     rouge_l,
     rouge_l_batch,
+    rouge_l_text,
     token_match_fraction,
 )
 
@@ -65,3 +66,12 @@ def test_match_metrics():
     assert m["rouge_l"].tolist() == pytest.approx([1, 0.75, 0.75, 0])
     with pytest.raises(ValueError):
         match_metrics([[1, 2]], [[1, 2, 3]])
+
+
+def test_rouge_l_text_tokenizes_as_rouge_score():
+    """rouge_score's default tokenizer: lower case, anything but a-z0-9 separates words, no stemming."""
+    assert rouge_l_text("The cat, sat!", "the CAT sat") == 1.0
+    assert rouge_l_text("a b c d", "a c") == pytest.approx(2 * 0.5 * 1.0 / 1.5)  # P 2/4, R 2/2
+    assert rouge_l_text("1234-5678", "1234 5678") == 1.0
+    assert rouge_l_text("", "x") == 0.0 and rouge_l_text("!!", "?") == 0.0
+    assert rouge_l_text("cats", "cat") == 0.0  # no stemming

@@ -49,10 +49,16 @@ def test_presets_parse(name):
     spec = specs.load_spec(name)
     points = specs.expand(spec)
     assert points and len({p.id for p in points}) == len(points)
-    if name == "quick":
-        models = {p.cfg.model.name for p in points}
-        assert len(models) >= 4 and {p.cfg.loss.kind for p in points} == {"standard", "goldfish"}
-        assert all(p.cfg.train.epochs == 1 for p in points) and points[0].cfg.canaries.copies == [1, 2, 4, 8]
+    assert all(p.cfg.train.precision == "auto" for p in points), "let the machine choose bf16 or fp32"
+    if name == "quick":  # a size study: >= 5 sizes of one shape over >= 30x parameters, scored every pass
+        from memtrain.models import get_config, param_count
+
+        models = sorted({p.cfg.model.name for p in points}, key=lambda m: param_count(m, 2048))
+        assert len(models) >= 5 and {p.cfg.loss.kind for p in points} == {"standard", "goldfish"}
+        assert param_count(models[-1], 2048) >= 30 * param_count(models[0], 2048)
+        assert len({get_config(m).num_hidden_layers for m in models}) == 1  # width only
+        assert all(p.cfg.train.lr_width and p.cfg.eval.every_pass and p.cfg.train.epochs > 1 for p in points)
+        assert all(p.cfg.canaries.number >= 32 and p.cfg.train.seed != 0 for p in points)  # 0 chose the settings
         assert spec.pretrain.steps > 0
     if name == "goldfish-k":
         assert sorted(p.cfg.loss.k for p in points if p.cfg.loss.kind == "goldfish") == [3, 4, 8, 32, 128]

@@ -36,7 +36,7 @@ FAKE = textwrap.dedent('''
     cfg = tomllib.loads(Path(args[args.index("--config") + 1]).read_text())
     out = Path(args[args.index("--out") + 1])
     name = cfg["wandb"].get("name") or out.name
-    pretrain = not cfg["eval"].get("enabled", True)
+    pretrain = cfg["canaries"].get("number", 8) == 0  # base models train on text alone
     with open(os.environ["FAKE_LOG"], "a") as f:
         f.write(json.dumps({"name": name, "pretrain": pretrain, "resume": "--resume" in args,
                             "init": cfg["model"].get("init"), "config": cfg}) + "\\n")
@@ -64,7 +64,9 @@ FAKE = textwrap.dedent('''
     ck.mkdir(parents=True, exist_ok=True)
     (ck / "model.safetensors").write_bytes(b"weights")
     (out / "checkpoints" / "latest").write_text("step_000003")
-    if not pretrain:
+    if pretrain:
+        (out / "eval.json").write_text(json.dumps({"val_loss": 4.5, "unigram_entropy": 6.0}))
+    else:
         goldfish = cfg["loss"].get("kind") == "goldfish"
         em = 0.0 if goldfish else params / 1e7
         by = {str(c): {"n": 2, "exact_match_rate": min(1.0, em * c), "rougeL": 0.5, "exposure_mean": 2.0 * c,
@@ -234,9 +236,11 @@ def test_base_models_pretrained_once_on_a_disjoint_corpus_and_reused(env, tmp_pa
         if not c["pretrain"]:
             assert c["init"] == bases[c["config"]["model"]["name"]]
     p = pre[0]["config"]
-    assert p["canaries"]["number"] == 0 and p["loss"]["kind"] == "standard" and not p["eval"]["enabled"]
-    assert p["train"]["max_steps"] == 5
-    assert json.loads((Path(bases["ladder-1m"]) / "base.json").read_text())["steps"] == 5
+    assert p["canaries"]["number"] == 0 and p["loss"]["kind"] == "standard" and not p["eval"]["every_pass"]
+    assert p["train"]["max_steps"] == 5 and "max_text_tokens" not in p["data"]
+    base = json.loads((Path(bases["ladder-1m"]) / "base.json").read_text())
+    assert base["steps"] == 5 and base["val_loss"] == 4.5 and base["unigram_entropy"] == 6.0
+    assert rows[0]["base"]["val_loss"] == 4.5  # the results record carries its base model's quality
 
     # the pretraining corpus is the rest of the source: no fine-tuning document (canaries, twins, val) in it
     from memtrain.config import load
@@ -261,6 +265,17 @@ def test_base_models_pretrained_once_on_a_disjoint_corpus_and_reused(env, tmp_pa
     sweep.run_sweep(specs.load_spec(spec_path), tmp_path / "second", **quiet)
     assert not [c for c in launched(env["log"])[len(calls):] if c["pretrain"]]
     assert {r["base_dir"] for r in results(tmp_path / "second")} == set(bases.values())
+
+    # two points at a time, on a fresh cache: each base still built once, before the points that need it
+    n = len(launched(env["log"]))
+    os.environ["MEMTRAIN_CACHE"] = str(tmp_path / "cache2")
+    sweep.run_sweep(specs.load_spec(spec_path), tmp_path / "parallel", jobs=2, **quiet)
+    calls = launched(env["log"])[n:]
+    assert sorted(c["config"]["model"]["name"] for c in calls if c["pretrain"]) == ["ladder-1m", "ladder-3m"]
+    assert [c["pretrain"] for c in calls] == [True, True, False, False, False, False]
+    rows = results(tmp_path / "parallel")
+    assert sorted(r["point"] for r in rows) == sorted(r["point"] for r in results(tmp_path / "first"))
+    assert all(r["status"] == "ok" for r in rows)
 
 
 def test_failed_pretraining_fails_its_points_only(env, tmp_path):

@@ -192,3 +192,48 @@ def test_loss_sums_split_supervised_tokens_and_add_up_across_micro_batches():
     s.kept_sum.backward()
     grad_per_pos = logits.grad.abs().sum(-1)
     assert (grad_per_pos[~keep] == 0).all() and (grad_per_pos[keep] > 0).all()
+
+
+# --------------------------------------------------------------------------------------------------
+# The Goldfish code's own mask (loss.hash = "reference"), for side-by-side comparisons with the paper.
+
+
+def _goldfish_code_drops(row: list[int], k: int, h: int) -> list[bool]:
+    """The goldfish-loss repository's hash-table rule written out in Python integers: for target j >= h-1,
+    key = product of targets j-h+1..j in wrapping int64, mod 1,000,003; dropped iff table[key] < 1/k."""
+    table = torch.rand(1_000_003, generator=torch.Generator().manual_seed(2_971_215_073))
+    out = [False] * len(row)
+    for j in range(h - 1, len(row)):
+        prod = 1
+        for t in row[j - h + 1:j + 1]:
+            prod = (prod * t) % 2**64
+        signed = prod - 2**64 if prod >= 2**63 else prod
+        out[j] = bool(table[signed % 1_000_003] < 1 / k)
+    return out
+
+
+def test_reference_hash_is_the_goldfish_codes_mask():
+    g = torch.Generator().manual_seed(3)
+    labels = torch.randint(0, 50_000, (4, 40), generator=g)  # large ids: products overflow int64
+    labels[1, 7] = 0  # every window holding id 0 has key 0
+    labels[2, 30:] = IGNORE_INDEX
+    cfg = LossConfig(kind="goldfish", k=4, h=13, hash="reference")
+    got = ~keep_mask(labels, torch.full_like(labels, 99), cfg) & (labels != IGNORE_INDEX)
+    for r in range(4):
+        want = _goldfish_code_drops(labels[r].tolist(), 4, 13)
+        supervised = (labels[r] != IGNORE_INDEX).tolist()
+        assert got[r].tolist() == [w and s for w, s in zip(want, supervised)], r
+    assert got.float().mean() > 0.15  # about 1 in 4 of the hashed targets
+
+
+def test_reference_hash_keeps_its_weaknesses():
+    """Order-blind (a permuted window drops the same target) and row-relative (the first h-1 targets of a row
+    are never dropped), unlike memtrain's hash: the comparison is with the paper's code as it is."""
+    cfg = LossConfig(kind="goldfish", k=2, h=4, hash="reference")
+    row = torch.tensor([[5, 9, 11, 17, 23, 5, 9, 11, 17]])
+    swapped = torch.tensor([[5, 9, 11, 17, 23, 11, 17, 5, 9]])  # the last window, permuted
+    pos = torch.arange(9).unsqueeze(0)
+    a, b = keep_mask(row, pos, cfg), keep_mask(swapped, pos, cfg)
+    assert a[0, -1] == b[0, -1] and a[0, :3].all()
+    with pytest.raises(ValueError, match="loss.hash"):
+        LossConfig(hash="md5")

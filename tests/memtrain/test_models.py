@@ -17,11 +17,23 @@ PUBLISHED = {
     "pythia-6.9b": 6_857_302_016, "pythia-12b": 11_846_072_320, "gpt2": 124_439_808,
 }
 LADDER = {"ladder-1m": 1e6, "ladder-3m": 3e6, "ladder-10m": 10e6, "ladder-30m": 30e6, "ladder-100m": 100e6}
+WIDTHS = [f"width-{w}" for w in (32, 64, 128, 256, 384, 512)]
 
 
 def test_names():
     names = list_models()
-    assert set(PUBLISHED) | set(LADDER) | {"pythia-14m", "gpt2-tiny"} == set(names)
+    assert set(PUBLISHED) | set(LADDER) | set(WIDTHS) | {"pythia-14m", "gpt2-tiny"} == set(names)
+
+
+def test_width_ladder_scales_width_only():
+    """The size study's ladder: depth, head size and MLP ratio fixed, only the width grows (54x in parameters
+    at the quick preset's 2048-token vocabulary)."""
+    cfgs = [get_config(name) for name in WIDTHS]
+    assert {(c.num_hidden_layers, c.hidden_size // c.num_attention_heads) for c in cfgs[1:]} == {(2, 32)}
+    assert all(abs(c.intermediate_size / c.hidden_size - 8 / 3) < 0.2 for c in cfgs)
+    counts = [param_count(name, 2048) for name in WIDTHS]
+    assert counts == sorted(counts) and counts[-1] > 50 * counts[0]
+    assert param_count("width-384", 2048) > 30 * param_count("width-32", 2048)
 
 
 @pytest.mark.parametrize("name", PUBLISHED)

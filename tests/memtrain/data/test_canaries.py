@@ -100,9 +100,15 @@ def test_canary_longer_than_sequence(data_cfg):
                     "seq_len=128 fits at most 127")
 
 
-def test_more_copies_than_sequences(data_cfg):
-    _one_line_error(replace(data_cfg, seq_len=4096), CanaryConfig(number=2, copies=[50], length=16),
-                    "canary copies but only")
+def test_more_copies_than_the_text_fills_get_rows_of_their_own(data_cfg):
+    """200 copies but text for a few rows of 4096: the stream grows to a row per copy, never two in one."""
+    stream = build_stream(replace(data_cfg, seq_len=4096), CanaryConfig(number=2, copies=[50], length=16), seed=0)
+    rows = [p.seq_index for c in stream.canaries for p in c.placements]
+    assert len(rows) == 200 and len(set(rows)) == 200 and len(stream) >= 200
+    for c in stream.canaries:
+        for p in c.placements:
+            row = stream.rows(p.seq_index, p.seq_index + 1)["input_ids"][0]
+            assert row[p.offset:p.offset + len(c.token_ids)].tolist() == c.token_ids
 
 
 def test_fixed_offset_past_the_end(data_cfg):

@@ -14,10 +14,10 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
-from memtrain.data import CanaryConfig, DataConfig, build_stream, locate  # noqa: E402
+from memtrain.data import CanaryConfig, DataConfig, TrainStream, build_stream, locate  # noqa: E402
 from memtrain.losses import IGNORE_INDEX, LossConfig, keep_mask  # noqa: E402
 
-CANARIES = CanaryConfig(number=4, copies=[1, 2, 3, 5], length=24)
+CANARIES = CanaryConfig(number=4, copies=[1, 2, 3, 5], length=24, seed=0)
 
 
 @pytest.fixture(scope="module")
@@ -48,6 +48,14 @@ def test_same_seed_is_byte_identical_even_from_scratch(stream, data_cfg, tmp_pat
     cached = build_stream(data_cfg, CANARIES, seed=0)
     assert cached.tokens.tobytes() == stream.tokens.tobytes()
     assert [c.to_dict() for c in cached.canaries] == [c.to_dict() for c in stream.canaries]
+
+
+def test_canary_content_follows_the_stream_seed_unless_fixed(stream, data_cfg):
+    follow = replace(CANARIES, seed=None)
+    assert [c.token_ids for c in build_stream(data_cfg, follow, seed=0).canaries] == \
+        [c.token_ids for c in stream.canaries]
+    assert [c.token_ids for c in build_stream(data_cfg, follow, seed=1).canaries] != \
+        [c.token_ids for c in stream.canaries]
 
 
 def test_different_seed_changes_order_and_placement_not_content(stream, data_cfg):
@@ -149,3 +157,29 @@ def test_no_canaries_is_plain_text(data_cfg):
     s = build_stream(data_cfg, None, seed=0)
     assert s.canaries == [] and s.meta["canary_copies"] == 0
     assert s.vocab_size == 512
+
+
+def test_document_attention_positions_restart_at_every_document(stream):
+    eos = stream.eos_id
+    rows = stream.rows(0, len(stream))
+    ids, pos = rows["input_ids"], rows["position_ids"]
+    assert (pos[:, 0] == 0).all() and (pos[ids == eos] == 0).all()  # row starts and EOS inputs open documents
+    inside = (ids[:, 1:] != eos)
+    assert (pos[:, 1:][inside] == pos[:, :-1][inside] + 1).all()  # and count up inside them
+    for c in stream.canaries:
+        for p in c.placements:
+            assert pos[p.seq_index, p.offset - 1:p.offset + len(c.token_ids)].tolist() == \
+                list(range(len(c.token_ids) + 1))  # [EOS, canary] at 0..len: its evaluation positions
+    classic = TrainStream(stream.tokens, stream.seq_len, stream.canaries, stream.val_texts, stream.tokenizer,
+                          stream.meta, document_attention=False)
+    assert "position_ids" not in classic.rows(0, 2)
+
+
+def test_max_text_tokens_caps_the_ordinary_text(data_cfg):
+    only = build_stream(replace(data_cfg, max_text_tokens=0), CANARIES, seed=0)
+    copies = sum(c.copies for c in only.canaries)
+    assert len(only) == copies  # a row per copy and nothing else
+    some = build_stream(replace(data_cfg, max_text_tokens=500), CANARIES, seed=0)
+    text = (some.tokens >= 0).sum() - (only.tokens >= 0).sum()
+    assert 450 <= text <= 500  # the cap, minus EOS shared at canary boundaries
+    assert 0 < only.unigram_entropy() < some.unigram_entropy() < np.log(only.vocab_size)

@@ -12,12 +12,13 @@ and lockstep are all exercised.
 import os
 import time
 
+import numpy as np
 import pytest
 import torch
 
 import parallel
-from eval.decode import greedy_decode, pad_left
-from memtrain.hf import ParallelStepper, parallel_greedy_decode, parallelize
+from eval.decode import greedy_decode, pad_left, sequence_logprobs
+from memtrain.hf import ParallelStepper, parallel_greedy_decode, parallelize, teacher_forced
 from parallel import vocab_parallel_argmax
 from parallel.forked import run_ranks
 from tests._helpers import GRIDS, MODES, grid_id
@@ -40,7 +41,8 @@ def prefixes(vocab):
 
 
 def reference(fam):
-    """The engine's seeded weights in the plain HF model, and generate on the left-padded batch."""
+    """The engine's seeded weights in the plain HF model: generate on the left-padded batch, and the
+    teacher-forced log-probs of every prefix followed by its greedy continuation."""
     init = parallelize(model(fam, "meta"), parallel.Grid(1, 1, 1, 1), seed=SEED, device="cpu").full_state_dict()
     hf = model(fam)
     hf.load_state_dict(init, strict=not hf.config.tie_word_embeddings)
@@ -49,7 +51,13 @@ def reference(fam):
     hf.generation_config.pad_token_id = 0
     ids, mask = pad_left(prefixes(hf.config.vocab_size))
     with torch.no_grad():
-        return hf.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=N_NEW)[:, ids.shape[1]:]
+        gen = hf.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=N_NEW)[:, ids.shape[1]:]
+    lp = sequence_logprobs(hf, continued(prefixes(hf.config.vocab_size), gen)).logprobs
+    return gen, np.concatenate(lp)
+
+
+def continued(prefixes, gen):
+    return [p + g for p, g in zip(prefixes, gen.tolist())]
 
 
 def _argmax_cases(grid):
@@ -76,6 +84,9 @@ def _worker(rank, world, refs):
                 plm = parallelize(model(fam, "meta"), grid, mode, seed=SEED, device="cpu")
                 out[(degrees, fam, mode)] = parallel_greedy_decode(plm, prefixes(plm.config.vocab_size), N_NEW,
                                                                    batch_size=BATCH)
+                scores = teacher_forced(plm, continued(prefixes(plm.config.vocab_size), refs[fam][0]), BATCH)
+                out[("teacher", degrees, fam, mode)] = (np.concatenate([loss for loss, _ in scores]),
+                                                        [bool(right[-N_NEW:].all()) for _, right in scores])
                 if degrees == (2, 2, 2, 1):
                     # The stepper alone through eval's own list API: every rank decodes every prefix.
                     out[("stepper", fam, mode)] = greedy_decode(ParallelStepper(plm), prefixes(plm.config.vocab_size),
@@ -94,7 +105,7 @@ def results():
 
 def test_references_are_not_degenerate(results):
     refs, _ = results
-    for fam, ref in refs.items():
+    for fam, (ref, _) in refs.items():
         assert ref.shape == (len(LENGTHS), N_NEW)
         assert len(set(ref.flatten().tolist())) >= 15, (fam, ref)  # of 60 tokens
 
@@ -106,7 +117,20 @@ def test_decode_matches_generate(results, degrees, fam, mode):
     refs, per_rank = results
     for rank, out in enumerate(per_rank):
         got = out[(degrees, fam, mode)]
-        assert torch.equal(got, refs[fam]), (rank, got, refs[fam])
+        assert torch.equal(got, refs[fam][0]), (rank, got, refs[fam][0])
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("fam", FAMILIES)
+@pytest.mark.parametrize("degrees", GRIDS, ids=grid_id)
+def test_teacher_forced_scores_match_one_process(results, degrees, fam, mode):
+    """Losses within 1e-5 of the plain model's (sharded matmuls sum in another order), and every greedily
+    generated token is the greedy choice under teacher forcing (exact match is one forward pass)."""
+    refs, per_rank = results
+    for rank, out in enumerate(per_rank):
+        losses, greedy = out[("teacher", degrees, fam, mode)]
+        np.testing.assert_allclose(losses, -refs[fam][1], rtol=1e-5, atol=1e-5, err_msg=str(rank))
+        assert all(greedy), rank
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -114,7 +138,7 @@ def test_decode_matches_generate(results, degrees, fam, mode):
 def test_stepper_with_eval_greedy_decode(results, fam, mode):
     refs, per_rank = results
     for out in per_rank:
-        assert torch.equal(out[("stepper", fam, mode)], refs[fam])
+        assert torch.equal(out[("stepper", fam, mode)], refs[fam][0])
 
 
 @pytest.mark.parametrize("degrees", GRIDS, ids=grid_id)
@@ -126,7 +150,7 @@ def test_single_process_and_bad_inputs():
     plm = parallelize(model("gpt2", "meta"), parallel.Grid(1, 1, 1, 1), "easy", seed=SEED, device="cpu")
     plm.train()
     got = parallel_greedy_decode(plm, prefixes(99), N_NEW, batch_size=3)
-    assert torch.equal(got, reference("gpt2")) and plm.training  # decoded in eval mode, mode restored
+    assert torch.equal(got, reference("gpt2")[0]) and plm.training  # decoded in eval mode, mode restored
     assert parallel_greedy_decode(plm, [], N_NEW).shape == (0, N_NEW)
     with pytest.raises(ValueError, match="at least one token"):
         parallel_greedy_decode(plm, [[1], []], N_NEW)

@@ -6,30 +6,22 @@ logits after loading a checkpoint into another grid differ only by summation ord
 """
 
 import json
-import os
 import signal
 import subprocess
 import sys
-import sysconfig
 import time
-from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from parallel.forked import run_ranks
-
-ROOT = Path(__file__).resolve().parents[3]
-ENV = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", WANDB_MODE="disabled",
-           OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+from tests.memtrain.training._helpers import ENV, ROOT, memtrain, stdlib_corpus
 
 
 @pytest.fixture(scope="module")
 def recipe(tmp_path_factory):
-    corpus = tmp_path_factory.mktemp("corpus")
-    for p in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))[::4][:40]:
-        (corpus / f"{p.stem}.txt").write_text(p.read_text("utf-8")[:6000])
+    corpus = stdlib_corpus(tmp_path_factory.mktemp("corpus"), every=4, count=40, chars=6000)
     cache = tmp_path_factory.mktemp("cache")
     path = tmp_path_factory.mktemp("recipe") / "tiny.toml"
     path.write_text(f"""
@@ -58,11 +50,6 @@ val_docs = 8
 mode = "disabled"
 """)
     return path
-
-
-def memtrain(*args, timeout=600):
-    return subprocess.run([sys.executable, "-m", "memtrain", *map(str, args)], capture_output=True, text=True,
-                          env=ENV, cwd=ROOT, timeout=timeout)
 
 
 @pytest.fixture(scope="module")

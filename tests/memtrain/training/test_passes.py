@@ -1,0 +1,95 @@
+"""Memorization measured after every pass, and where a canary sits in its row not mattering (`memtrain train`).
+
+A tiny model memorizes 16 document canaries over 12 passes of a stream holding little else, scored after every
+pass (eval.every_pass). One run has every copy at the start of its row; the other buries every copy mid-row
+(placement "random") behind document attention. Checked:
+- passes.jsonl has one line per pass, counts of n = 16, and the rate rises from 0 (the run does memorize);
+- the last pass's teacher-forced exact matches are the final greedy extraction's, canary for canary (the
+  same model scored two ways: they must agree exactly);
+- the buried run's final exact-match rate lies within the start run's 95% Wilson interval and vice versa
+  (the model sees each copy in the same context either way; the runs differ only in their batches' other
+  text), while the same buried run without document attention is scored from its in-row context too.
+"""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from experiments.stats import wilson
+from tests.memtrain.training._helpers import memtrain, stdlib_corpus
+
+
+@pytest.fixture(scope="module")
+def recipe(tmp_path_factory):
+    corpus = stdlib_corpus(tmp_path_factory.mktemp("corpus"), every=3, count=60, chars=5000)
+    cache = tmp_path_factory.mktemp("cache")
+    return f"""
+[model]
+name = "width-64"
+[train]
+batch_size = 2
+epochs = 12
+lr = 3e-3
+min_lr = 3e-3
+warmup_steps = 4
+[data]
+corpus = "{corpus}"
+vocab_size = 512
+seq_len = 64
+max_text_tokens = 300
+cache_dir = "{cache}"
+[canaries]
+kinds = ["document"]
+number = 16
+copies = [1]
+length = 24
+[eval]
+suffix_len = 8
+every_pass = true
+exposure_samples = 16
+val_docs = 4
+[wandb]
+mode = "disabled"
+"""
+
+
+def _train(recipe: str, out: Path, *sets: str) -> dict:
+    path = out.with_suffix(".toml")
+    path.write_text(recipe)
+    r = memtrain("train", "--config", path, "--out", out, *[a for s in sets for a in ("--set", s)])
+    assert r.returncode == 0, r.stderr[-3000:]
+    passes = [json.loads(line) for line in (out / "passes.jsonl").read_text().splitlines()]
+    rows = [json.loads(line) for line in (out / "eval_canaries.jsonl").read_text().splitlines()]
+    return {"passes": passes, "eval": json.loads((out / "eval.json").read_text()), "rows": rows}
+
+
+@pytest.fixture(scope="module")
+def start(recipe, tmp_path_factory):
+    return _train(recipe, tmp_path_factory.mktemp("runs") / "start")
+
+
+def test_every_pass_is_scored_and_agrees_with_greedy_extraction(start):
+    passes = start["passes"]
+    assert [p["pass"] for p in passes] == list(range(1, 13))
+    assert all(p["members"]["n"] == 16 and p["members"]["cells"]["document/1"]["n"] == 16 for p in passes)
+    rates = [p["members"]["exact_match_rate"] for p in passes]
+    assert rates[0] == 0 and rates[-1] >= 0.25, rates  # it memorizes, pass by pass
+    assert all(p["val_loss"] > 0 for p in passes)
+    final = start["eval"]
+    assert passes[-1]["members"]["k"] == final["exact_count"]  # the same model, scored two ways
+    assert final["cells"]["document/12"]["n"] == 16  # 1 copy x 12 passes seen
+
+
+def test_buried_canaries_behind_document_attention_are_memorized_alike(start, recipe, tmp_path):
+    buried = _train(recipe, tmp_path / "buried", 'canaries.placement="random"')
+    assert any(p["offset"] > 1 for line in (tmp_path / "buried" / "canaries.jsonl").read_text().splitlines()
+               for p in json.loads(line)["placements"])
+    a, b = start["eval"], buried["eval"]
+    lo_a, hi_a = wilson(a["exact_count"], a["n_evaluated"])
+    lo_b, hi_b = wilson(b["exact_count"], b["n_evaluated"])
+    assert lo_a <= b["exact_match_rate"] <= hi_a and lo_b <= a["exact_match_rate"] <= hi_b, (a, b)
+    assert "in_row" not in b  # with document attention the own-prefix score is the training context
+    classic = _train(recipe, tmp_path / "classic", 'canaries.placement="random"', "data.document_attention=false")
+    assert classic["eval"]["in_row"]["n_evaluated"] == 16  # scored from the row as well
+    assert any("exact_match_in_row" in r for r in classic["rows"])
