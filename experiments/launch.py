@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import re
 import shlex
+import signal
 import subprocess
 import sys
 from collections.abc import Callable
@@ -47,7 +48,7 @@ def subprocess_runner(cmd: list, log_dir: Path) -> tuple[int, str | None]:
     # made small runs 4-20x slower here (a 7 s run took 47-238 s); on an idle machine it costs little.
     env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     with open(log_dir / "stdout.log", "wb") as out, open(log_dir / "stderr.log", "wb") as err:
-        proc = subprocess.Popen([str(c) for c in cmd], stdout=out, stderr=err, env=env)
+        proc = subprocess.Popen([str(c) for c in cmd], stdout=out, stderr=err, env=env, preexec_fn=_die_with_parent)
         try:
             rc = proc.wait()
         except BaseException:
@@ -60,6 +61,17 @@ def subprocess_runner(cmd: list, log_dir: Path) -> tuple[int, str | None]:
             raise
     tail = (log_dir / "stderr.log").read_bytes()[-20000:].decode("utf-8", "replace")
     return rc, (last_line(tail) if rc != 0 else None)
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: ask Linux for SIGTERM when the sweep dies, even by SIGKILL (which no handler
+    sees), so a killed sweep leaves no trainer running into a directory its --resume will reuse."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # not Linux: the run directory's lock still keeps a second trainer out
+        pass
 
 
 def train_tail(config: Path, out: Path, resume: bool = False) -> list[str]:

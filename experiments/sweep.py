@@ -82,11 +82,23 @@ def run_sweep(spec: Spec, out_dir: str | Path | None = None, *, overrides: list[
     out = Path(out_dir) if out_dir else Path("runs") / spec.name
     out.mkdir(parents=True, exist_ok=True)
     jobs = jobs or spec.jobs
+    if jobs > 1:  # runs report from threads: one line at a time
+        log = _serialized(log)
     if jobs < 1:
         raise ValueError(f"--jobs {jobs} is invalid: run at least 1 point at a time")
     with _exclusive(out / ".sweep.lock"), _threads_per_job(jobs):
         return _run_points(spec, points, out, overrides=overrides, resume=resume, launcher=launcher, nproc=nproc,
                            runner=runner, run_fn=run_fn, report=report, jobs=jobs, log=log)
+
+
+def _serialized(log):
+    lock = threading.Lock()
+
+    def locked(*args, **kwargs):
+        with lock:
+            log(*args, **kwargs)
+
+    return locked
 
 
 @contextlib.contextmanager

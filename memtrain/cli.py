@@ -29,7 +29,7 @@ def _train(args) -> None:
 
     cfg = config_mod.load(args.config, args.set)
     out = Path(args.out or Path("runs") / Path(cfg.model.name).name)
-    result = train(cfg, out, resume=args.resume)
+    result = train(cfg, out, resume=args.resume, force=args.force)
     if cfg.eval.enabled:
         evaluate_after(cfg, result)
     result.tracker.finish()
@@ -85,6 +85,7 @@ def main(argv: list[str] | None = None) -> int | None:
     t.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override a key")
     t.add_argument("--out", help="run directory (default runs/<model>)")
     t.add_argument("--resume", action="store_true", help="continue from the run directory's latest checkpoint")
+    t.add_argument("--force", action="store_true", help="replace another run's files in --out (fresh runs refuse)")
     t.set_defaults(fn=_train)
     e = sub.add_parser("eval", help="re-run memorization evaluation of a finished run")
     e.add_argument("--run", required=True, help="run directory written by `memtrain train`")
@@ -102,7 +103,7 @@ def main(argv: list[str] | None = None) -> int | None:
 def _run(fn) -> int | None:
     try:
         return fn()
-    except (ValueError, FileNotFoundError, KeyError) as e:
+    except (ValueError, FileNotFoundError, FileExistsError, KeyError) as e:
         msg = str(e).strip("'\"") or type(e).__name__
         print(f"memtrain: error: {msg}", file=sys.stderr)
         sys.exit(2)

@@ -52,6 +52,9 @@ class ParallelConfig:
     """torch.distributed backend; None picks nccl with CUDA, else gloo."""
     overlap: bool = True
     """Overlap communication with computation (all-reduce, reduce-scatter, all-gather prefetch)."""
+    timeout_s: float | None = None
+    """Seconds a collective may wait for the other ranks before the run fails (a stuck rank becomes an error):
+    None is 120 on CPUs (gloo), 600 on GPUs."""
 
 
 @dataclass
@@ -160,12 +163,96 @@ def _closest(word: str, options) -> str:
     return f" (did you mean {near[0]!r}?)" if near else ""
 
 
+# ---------------------------------------------------------------------------------------------------
+# Validation: every value's type (from the field's annotation) before a section is built, every range and
+# choice after, then the checks that need two fields. One line each, naming the key, the value and the fix.
+
+
+def _type_ok(value, annotation: str) -> bool:
+    for alt in (a.strip() for a in annotation.split("|")):
+        if (alt == "None" and value is None or alt == "bool" and isinstance(value, bool)
+                or alt == "str" and isinstance(value, str)
+                or alt in ("int", "float") and isinstance(value, int) and not isinstance(value, bool)
+                or alt == "float" and isinstance(value, float)):
+            return True
+        if alt.startswith("list[") and isinstance(value, list) and all(_type_ok(v, alt[5:-1]) for v in value):
+            return True
+    return False
+
+
+_WORDS = {"int": "an integer", "float": "a number", "bool": "true or false", "str": "a string", "None": "none"}
+
+
+def _expected(annotation: str) -> str:
+    return " or ".join(_WORDS.get(a.strip(), a.strip()) for a in annotation.split("|"))
+
+
+def _at_least(n):
+    return lambda v: v >= n, f"a value >= {n}"
+
+
+def _above(n):
+    return lambda v: v > n, f"a value > {n}"
+
+
+def _fraction():
+    return lambda v: 0 <= v < 1, "a value in [0, 1)"
+
+
+def _one_of(*choices):
+    return lambda v: v in choices, "one of " + ", ".join(repr(c) for c in choices)
+
+
+RULES = {
+    "parallel.data": (lambda v: v == -1 or v >= 1, "-1 (infer) or a degree >= 1"),
+    "parallel.x": _at_least(1), "parallel.y": _at_least(1), "parallel.z": _at_least(1),
+    "parallel.mode": _one_of("auto", "sharded", "easy"),
+    "parallel.backend": _one_of("gloo", "nccl", "mpi", "ucc", "xccl", "fake"),
+    "parallel.timeout_s": _above(0),
+    "train.batch_size": _at_least(1), "train.micro_batch_size": _at_least(1), "train.epochs": _at_least(1),
+    "train.max_steps": _at_least(1), "train.lr": _above(0), "train.min_lr": _at_least(0),
+    "train.lr_width": _at_least(1), "train.lr_width_exponent": _at_least(0), "train.lr_scale": _above(0),
+    "train.warmup_steps": _at_least(0), "train.weight_decay": _at_least(0), "train.beta1": _fraction(),
+    "train.beta2": _fraction(), "train.grad_clip": _at_least(0), "train.precision": _one_of("auto", "fp32", "bf16"),
+    "train.log_every": _at_least(1), "train.checkpoint_every": _at_least(0),
+    "eval.suffix_len": _at_least(1), "eval.batch_size": _at_least(1), "eval.exposure_samples": _at_least(1),
+    "eval.val_docs": _at_least(1),
+    "wandb.mode": _one_of("auto", "online", "offline", "disabled"),
+}
+"""Range or choice of each field that has one (None, where allowed, always passes)."""
+
+
 def _build(section: str, cls: type, values: dict):
-    names = {f.name for f in dataclasses.fields(cls)}
-    for key in values:
-        if key not in names:
-            raise ValueError(f"unknown config key {section}.{key}{_closest(key, names)}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    for key, value in list(values.items()):
+        if key not in fields:
+            raise ValueError(f"unknown config key {section}.{key}{_closest(key, fields)}")
+        annotation = str(fields[key].type)
+        if isinstance(value, str) and value.lower() in ("none", "null") and "None" in annotation:
+            values[key] = value = None  # `--set train.max_steps=none` (TOML has no null)
+        if not _type_ok(value, annotation):
+            raise ValueError(f"{section}.{key}={value!r} is invalid: expected {_expected(annotation)}")
     return cls(**values)
+
+
+def validate(cfg: RunConfig) -> RunConfig:
+    """Ranges, choices and the checks across fields; raises ValueError (one line) on the first that fails."""
+    for key, (ok, allowed) in RULES.items():
+        section, name = key.split(".")
+        value = getattr(getattr(cfg, section), name)
+        if value is not None and not ok(value):
+            raise ValueError(f"{key}={value!r} is invalid: use {allowed}")
+    if not cfg.data.corpus.strip():
+        raise ValueError("data.corpus='' is empty: name 'stdlib', a directory, text/json/csv/parquet files or "
+                         "a dataset")
+    if cfg.train.min_lr > cfg.train.lr:
+        raise ValueError(f"train.min_lr={cfg.train.min_lr} exceeds train.lr={cfg.train.lr}: the schedule "
+                         "decays from lr to min_lr, so use min_lr <= lr")
+    c = cfg.canaries
+    if c.number and cfg.eval.enabled and set(c.kinds) & {"document"} and cfg.eval.suffix_len >= c.length:
+        raise ValueError(f"eval.suffix_len={cfg.eval.suffix_len} leaves no prefix of the {c.length}-token document "
+                         "canaries (canaries.length): use a suffix shorter than the canary")
+    return cfg
 
 
 def from_dict(raw: dict) -> RunConfig:
@@ -176,8 +263,8 @@ def from_dict(raw: dict) -> RunConfig:
             raise ValueError(f"unknown config section [{name}]{_closest(name, classes)}")
         if not isinstance(values, dict):
             raise ValueError(f"config section [{name}] must be a table of keys, got {values!r}")
-        sections[name] = _build(name, classes[name], values)
-    return RunConfig(**sections)
+        sections[name] = _build(name, classes[name], dict(values))
+    return validate(RunConfig(**sections))
 
 
 def parse_value(text: str):

@@ -208,6 +208,9 @@ def init(data: int = -1, x: int = 1, y: int = 1, z: int = 1, *, backend: str | N
     global _GRID
     if backend is not None and backend not in KNOWN_BACKENDS:
         raise ValueError(f"unknown backend {backend!r}: use one of {', '.join(KNOWN_BACKENDS[:-1])}")
+    if backend == "nccl" and not torch.cuda.is_available():
+        raise ValueError("parallel.backend='nccl' needs CUDA GPUs and none is visible: use 'gloo', or leave it "
+                         "unset to choose by the hardware")
     if dist.is_initialized():
         rank, world = dist.get_rank(), dist.get_world_size()
         degrees = resolve_degrees(world, data, x, y, z)

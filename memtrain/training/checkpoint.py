@@ -78,8 +78,9 @@ def save(run_dir: Path, plm, opt, sched, step: int, extra: dict) -> Path | None:
     ckpt_root = run_dir / "checkpoints"
     ckpt_root.mkdir(parents=True, exist_ok=True)
     final = ckpt_root / f"step_{step:06d}"
+    for stale in ckpt_root.glob(".tmp_step_*"):  # saves cut short by a kill (a live run holds the run's lock)
+        shutil.rmtree(stale, ignore_errors=True)
     tmp = ckpt_root / f".tmp_step_{step:06d}_{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     save_file(model, str(tmp / "model.safetensors"))
     save_file(moments, str(tmp / "optimizer.safetensors"))
@@ -94,11 +95,16 @@ def save(run_dir: Path, plm, opt, sched, step: int, extra: dict) -> Path | None:
 
 
 def latest(run_dir: Path) -> Path | None:
-    pointer = run_dir / "checkpoints" / "latest"
-    if not pointer.is_file():
-        return None
-    path = run_dir / "checkpoints" / pointer.read_text().strip()
-    return path if path.is_dir() else None
+    """The checkpoint `latest` points at, or, when that pointer is missing or dangles (a kill between the two
+    renames of a save), the newest complete one."""
+    root = run_dir / "checkpoints"
+    pointer = root / "latest"
+    if pointer.is_file():
+        path = root / pointer.read_text().strip()
+        if (path / "state.json").is_file():
+            return path
+    complete = sorted(p for p in root.glob("step_*") if (p / "state.json").is_file())
+    return complete[-1] if complete else None
 
 
 def read(path: Path) -> tuple[dict, dict, dict]:
@@ -122,7 +128,7 @@ def read(path: Path) -> tuple[dict, dict, dict]:
 def read_weights(path: str | Path) -> dict[str, torch.Tensor]:
     """Model weights to start from: a memtrain run or checkpoint directory, or an HF directory."""
     path = Path(path)
-    if (path / "checkpoints" / "latest").is_file():
+    if (path / "checkpoints").is_dir():
         path = latest(path) or path
     if (path / "state.json").is_file():
         return read(path)[0]

@@ -13,6 +13,7 @@ import json
 import os
 import resource
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,7 +29,7 @@ from memtrain.files import write_atomic
 from memtrain.hf import ParallelLM, parallelize
 from memtrain.losses import keep_mask
 from memtrain.models import build_model
-from memtrain.training import checkpoint
+from memtrain.training import checkpoint, run_dir
 from memtrain.training.perf import matmul_peak_flops
 from memtrain.training.step import autocast_dtype, build_optimizer, build_schedule, peak_lr, train_step
 from memtrain.training.tracking import Tracker
@@ -56,10 +57,17 @@ def _append_jsonl(path: Path, record: dict) -> None:
 
 
 def _truncate_jsonl(path: Path, last_step: int) -> None:
-    """On resume, keep the lines of steps the checkpoint covers (later lines came from the lost run)."""
+    """On resume, keep the lines of steps the checkpoint covers (later lines came from the lost run); a line
+    cut short by the kill is dropped with a warning."""
     if not path.is_file():
         return
-    kept = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= last_step]
+    kept = []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        try:
+            if json.loads(line)["step"] <= last_step:
+                kept.append(line)
+        except (ValueError, KeyError, TypeError):
+            warnings.warn(f"{path}:{n} is not a complete record (a write cut short by a kill?): dropped", stacklevel=2)
     write_atomic(path, "".join(line + "\n" for line in kept))
 
 
@@ -89,28 +97,34 @@ def _build_stream_once_per_node(cfg: RunConfig, grid: parallel.Grid):
     return stream if first else build_stream(cfg.data, cfg.canaries, seed=cfg.train.seed)
 
 
-def train(cfg: RunConfig, out_dir: str | Path, *, resume: bool = False,
+def train(cfg: RunConfig, out_dir: str | Path, *, resume: bool = False, force: bool = False,
           on_setup: Callable[[TrainStream, ParallelLM], None] | None = None,
           on_step: Callable[[dict], None] | None = None) -> TrainResult:
-    """Train one run into `out_dir`.
+    """Train one run into `out_dir` (run_dir.py: a fresh run refuses another run's files unless `force`; the
+    directory is locked for this process; `resume` continues from the newest complete checkpoint).
 
     on_setup(stream, model): called once the parallelized model holds its initial weights (before resuming).
     on_step(record): called after every step with its metrics record (benchmarks interleave their own work).
     """
     p = cfg.parallel
-    grid = parallel.init(data=p.data, x=p.x, y=p.y, z=p.z, backend=p.backend)
+    timeout = p.timeout_s or (600.0 if torch.cuda.is_available() else 120.0)
+    grid = parallel.init(data=p.data, x=p.x, y=p.y, z=p.z, backend=p.backend, timeout_s=timeout)
     out = Path(out_dir)
     t = cfg.train
     if grid.rank == 0:
+        if out.exists() and not out.is_dir():
+            raise FileExistsError(f"--out {str(out)!r} is a file: name a directory")
         out.mkdir(parents=True, exist_ok=True)
+        run_dir.claim(out, resume=resume, force=force)
     if resume:
         saved = out / "config.toml"
         if not saved.is_file():
             raise FileNotFoundError(f"--resume: {str(out)!r} has no config.toml: it is not a run directory")
-        if load_config(saved).digest() != cfg.digest():
-            raise ValueError(f"--resume with a different config than {str(saved)!r}: resume with the same "
-                             "config, or train into a new --out directory")
-    elif grid.rank == 0:
+        blockers = run_dir.resume_blockers(load_config(saved), cfg)
+        if blockers:
+            raise ValueError(f"--resume cannot change {', '.join(blockers)} of {str(saved)!r}: it would not "
+                             "continue the same run; resume with those values, or train into a new --out")
+    if grid.rank == 0:
         write_atomic(out / "config.toml", to_toml(cfg))
     if t.deterministic:
         torch.use_deterministic_algorithms(True)
