@@ -12,11 +12,11 @@ import os
 import shutil
 import threading
 import time
-import warnings
 from pathlib import Path
 
 from memtrain.config import RunConfig, apply_overrides, from_dict, to_toml
 from memtrain.files import file_lock, replace_dir
+from memtrain.progress import quiet
 
 from .launch import Runner, train_tail
 from .results import now
@@ -32,8 +32,7 @@ def cache_root(cfg: RunConfig) -> Path:
 def _corpus_and_tokenizer(data_cfg):
     from memtrain.data import load_corpus, load_tokenizer
 
-    with warnings.catch_warnings():  # "skipping a non-UTF-8 file": each training run's log says it again
-        warnings.simplefilter("ignore", UserWarning)
+    with quiet():  # "skipped N files that are not UTF-8": each training run's log says it again
         corpus = load_corpus(data_cfg)
     return corpus, load_tokenizer(data_cfg, corpus)
 
@@ -59,8 +58,7 @@ def _disjoint_corpus(data_cfg, ft_corpus, max_docs: int | None, root: Path) -> P
         raise ValueError("pretrain.corpus='disjoint' needs data.max_docs (the fine-tuning corpus is then a "
                          "subset of its source, and pretraining reads the rest): set data.max_docs, or "
                          "pretrain.corpus='same' or a path")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)
+    with quiet():
         source = load_corpus(dataclasses.replace(data_cfg, max_docs=None))
     used = {d.name for d in ft_corpus.docs}
     rest = [d for d in source.docs if d.name not in used]
@@ -116,6 +114,7 @@ def base_key(pcfg: RunConfig, corpus_fp: str, tokenizer_fp: str) -> str:
     for section in ("wandb", "parallel", "canaries", "eval"):  # no canary is pretrained; evaluation changes nothing
         d.pop(section)
     d["data"] = dict(d["data"], corpus=None, tokenizer=None, cache_dir=None, file_glob=None)
+    d["train"].pop("checkpoint_every_min")  # when to save changes nothing trained (and keeps older keys valid)
     blob = json.dumps({"v": BASE_VERSION, "config": d, "corpus": corpus_fp, "tokenizer": tokenizer_fp},
                       sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]

@@ -20,4 +20,9 @@ def plot(argv: list[str]) -> int:
 
 def demo(argv: list[str]) -> int:
     """the quick memorization sweep (same as `memtrain sweep quick`)"""
-    return sweep(["quick", *argv])
+    from experiments.sweep import build_parser, main
+
+    parser = build_parser(preset="quick", prog="memtrain demo", description=(
+        "The quick memorization sweep, what `make demo` runs: the same as `memtrain sweep quick` (see "
+        "experiments/presets/quick.toml), with the same options. Report: <out>/report.md (default runs/quick)."))
+    return main(argv, parser)

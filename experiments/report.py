@@ -14,7 +14,6 @@ validation cost at equal supervised tokens; the published anchors; the figures (
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -36,6 +35,7 @@ from experiments.aggregate import (
 )
 from experiments.figures import draw_figures
 from experiments.results import latest_by_point, read_results
+from memtrain.cli import ArgumentParser, fail
 from memtrain.files import write_atomic
 
 ANCHORS = [
@@ -230,16 +230,15 @@ def build_report(results: str | Path, out: str | Path | None = None) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="memtrain plot", description="Draw a sweep's figures and report.md from "
+    ap = ArgumentParser(prog="memtrain plot", description="Draw a sweep's figures and report.md from "
                                  "its results.jsonl (nothing else is read).")
     ap.add_argument("path", help="a sweep directory (runs/<sweep>) or a results.jsonl file")
     ap.add_argument("--out", default=None, help="where report.md and figures/ go (default: next to results.jsonl)")
     args = ap.parse_args(argv)
     try:
         made = build_report(args.path, args.out)
-    except (FileNotFoundError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    except (OSError, ValueError) as e:
+        return fail(str(e))
     print(f"report: {made['report']} ({made['runs']} runs)")
     print(f"figures: {made['figures_dir']}/ ({', '.join(fig.name for fig in made['figures'])})")
     return 0

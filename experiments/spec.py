@@ -76,6 +76,7 @@ def _digest(cfg: RunConfig, pre: PretrainSpec) -> str:
     d = cfg.to_dict()
     d.pop("wandb", None)
     d["data"] = dict(d["data"], cache_dir=None)
+    d["train"].pop("checkpoint_every_min")  # when to save changes nothing trained (and keeps older digests valid)
     blob = {"config": d, "pretrain": dataclasses.asdict(pre) if pre.steps and not cfg.model.init else None}
     return hashlib.sha256(json.dumps(blob, sort_keys=True).encode()).hexdigest()[:16]
 

@@ -56,6 +56,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from memtrain.cli import ArgumentParser, fail, positive_int
 from memtrain.config import RunConfig, to_toml
 from memtrain.files import file_lock, write_atomic
 from memtrain.models import param_count
@@ -155,6 +156,7 @@ def _run_points(spec: Spec, points: list[Point], out: Path, *, overrides, resume
     run_fn = run_fn or subprocess_runner
     bases = BaseModels(spec.pretrain, command, run_fn, log=log)
     counts = {"ok": 0, "failed": 0, "started": 0}
+    failed_ids: list[str] = []
     lock = threading.Lock()
 
     def run_point(p: Point) -> None:
@@ -183,6 +185,8 @@ def _run_points(spec: Spec, points: list[Point], out: Path, *, overrides, resume
         with lock:
             append_result(results, record)
             counts["ok" if record["status"] == "ok" else "failed"] += 1
+            if record["status"] != "ok":
+                failed_ids.append(p.id)
         if record["status"] == "ok":
             if not spec.keep_checkpoints:
                 shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
@@ -206,7 +210,8 @@ def _run_points(spec: Spec, points: list[Point], out: Path, *, overrides, resume
             list(pool.map(run_point, order))
     ok, failed = counts["ok"], counts["failed"]
     log(f"sweep {spec.name}: {ok} ok, {failed} failed, {skipped} skipped; results: {results}")
-    summary = {"ok": ok, "failed": failed, "skipped": skipped, "results": results, "out": out}
+    summary = {"ok": ok, "failed": failed, "failed_ids": sorted(failed_ids), "skipped": skipped, "results": results,
+               "out": out}
     if report and results.is_file():
         summary["report"] = _report(out, points[0].cfg if points else None, log)
     return summary
@@ -273,12 +278,17 @@ def _report(out: Path, cfg: RunConfig | None, log) -> dict | None:
 # CLI
 
 
-def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(
-        prog="memtrain sweep", description="Run a memorization sweep: one full run (train one pass, evaluate) "
+def build_parser(preset: str | None = None, prog: str = "memtrain sweep",
+                 description: str | None = None) -> argparse.ArgumentParser:
+    """The sweep's options; with `preset`, a command that runs that preset (no SPEC argument), e.g. `memtrain demo`."""
+    ap = ArgumentParser(
+        prog=prog, description=description or "Run a memorization sweep: one full run (train one pass, evaluate) "
         "per point of a grid of configs, results appended to <out>/results.jsonl, then a report.",
-        epilog=f"presets: {', '.join(presets())} (experiments/presets/)")
-    ap.add_argument("spec", help="a preset name or a sweep TOML file")
+        epilog=None if preset else f"presets: {', '.join(presets())} (experiments/presets/)")
+    if preset:
+        ap.set_defaults(spec=preset)
+    else:
+        ap.add_argument("spec", help="a preset name or a sweep TOML file")
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                     help="override the base config (TOML value syntax; repeatable); pretrain.* and "
                          "sweep.keep_checkpoints set the sweep's own sections")
@@ -287,8 +297,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="run only points without a finished result (failed points are retried)")
     ap.add_argument("--launcher", choices=("local", "torchrun"), default="local",
                     help="local: one process per run; torchrun: torchrun --standalone --nproc-per-node N")
-    ap.add_argument("--nproc", type=int, default=1, help="processes per run with --launcher torchrun")
-    ap.add_argument("--jobs", type=int, default=None,
+    ap.add_argument("--nproc", type=positive_int, default=1, help="processes per run with --launcher torchrun")
+    ap.add_argument("--jobs", type=positive_int, default=None,
                     help="points run side by side, each with its share of the cores (default: the spec's, or 1)")
     ap.add_argument("--wandb", choices=("auto", "online", "offline", "disabled"), default=None,
                     help="W&B mode of every run (default: the spec's wandb.mode, 'auto')")
@@ -301,13 +311,10 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def main(argv: list[str] | None = None, parser: argparse.ArgumentParser | None = None) -> int:
+    args = (parser or build_parser()).parse_args(argv)
     with contextlib.suppress(ValueError):  # not the main thread: leave signals alone
         signal.signal(signal.SIGTERM, _terminate)  # like Ctrl-C: the running child is stopped too
-    if args.nproc < 1:
-        print("error: --nproc must be >= 1", file=sys.stderr)
-        return 2
     try:
         spec = load_spec(args.spec)
         if args.list:
@@ -326,10 +333,13 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("\ninterrupted: finished runs are in results.jsonl; continue with --resume", file=sys.stderr)
         return 130
-    except (ValueError, FileNotFoundError, FileExistsError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return 1 if summary["failed"] else 0
+    except (ValueError, OSError) as e:
+        return fail(str(e))
+    if summary["failed"]:
+        print(f"memtrain: error: {summary['failed']} point(s) failed ({', '.join(summary['failed_ids'])}): their "
+              "logs are in their run directories; --resume retries them", file=sys.stderr)
+        return 1
+    return 0
 
 
 def _terminate(signum, frame):

@@ -1,4 +1,4 @@
-"""The `memtrain` command: train, eval, plan, models, config, and the commands other packages register.
+"""The `memtrain` command: train, eval, export, plan, models, config, and the commands other packages register.
 
 The experiments layer adds sweep, plot and demo through the entry-point group "memtrain.commands"
 (pyproject.toml): memtrain itself never imports the layer above it. A registered command is a function
@@ -12,13 +12,28 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from importlib.metadata import entry_points
+from importlib.metadata import entry_points, version
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # no hub on most research clusters' compute nodes
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 COMMAND_GROUP = "memtrain.commands"
+
+
+def summary_line(result, scores: dict | None = None) -> str:
+    """The line `memtrain train` ends with (rank 0): steps, final loss, median throughput, the eval headline."""
+    parts = [f"trained {result.steps:,} steps"]
+    if result.last:
+        parts.append(f"final loss {result.last['loss']:.4f}")
+    if result.tokens_per_s is not None:
+        parts.append(f"{result.tokens_per_s:,.0f} tokens/s (median)")
+    line = "done: " + ", ".join(parts)
+    if scores:
+        line += f"; eval: exact match {scores['exact_count']}/{scores['n_evaluated']}"
+        if scores.get("val_loss") is not None:
+            line += f", val loss {scores['val_loss']:.4f}"
+    return line
 
 
 def _train(args) -> None:
@@ -30,10 +45,10 @@ def _train(args) -> None:
     cfg = config_mod.load(args.config, args.set)
     out = Path(args.out or Path("runs") / Path(cfg.model.name).name)
     result = train(cfg, out, resume=args.resume, force=args.force)
-    if cfg.eval.enabled:
-        evaluate_after(cfg, result)
+    scores = evaluate_after(cfg, result) if cfg.eval.enabled else None
     result.tracker.finish()
     if result.grid.rank == 0:
+        print(summary_line(result, scores))
         print(f"run directory: {out}")
     parallel.shutdown()
 
@@ -45,6 +60,13 @@ def _eval(args) -> None:
     keys = ("exact_match_rate", "token_match", "rougeL", "pythia_32_score", "exposure_mean", "mia_auc_loss",
             "val_loss")
     print(" ".join(f"{k}={result[k]:.4g}" if isinstance(result[k], float) else f"{k}={result[k]}" for k in keys))
+
+
+def _export(args) -> None:
+    from memtrain.hf.export import export
+
+    ckpt, out = export(args.source, args.out)
+    print(f"exported {ckpt} to {out}")
 
 
 def _models(args) -> None:
@@ -71,14 +93,15 @@ def registered() -> dict:
     return {ep.name: ep for ep in entry_points(group=COMMAND_GROUP)}
 
 
-def main(argv: list[str] | None = None) -> int | None:
+def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     plugins = registered()
     if argv and argv[0] == "plan":
         return _run(lambda: _plan(argv[1:]))
     if argv and argv[0] in plugins:
         return _run(lambda: plugins[argv[0]].load()(argv[1:]))
-    parser = argparse.ArgumentParser(prog="memtrain", description=__doc__.splitlines()[0])
+    parser = ArgumentParser(prog="memtrain", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"memtrain {version('memtrain')}")
     sub = parser.add_subparsers(dest="command", required=True)
     t = sub.add_parser("train", help="train one run (single process, torchrun or srun)")
     t.add_argument("--config", help="TOML recipe (sections: see `memtrain config`)")
@@ -91,6 +114,10 @@ def main(argv: list[str] | None = None) -> int | None:
     e.add_argument("--run", required=True, help="run directory written by `memtrain train`")
     e.add_argument("--checkpoint", help="checkpoint directory (default: the run's latest)")
     e.set_defaults(fn=_eval)
+    x = sub.add_parser("export", help="write a run's model and tokenizer as a transformers directory")
+    x.add_argument("source", metavar="RUN_OR_CHECKPOINT", help="run directory (its latest checkpoint) or a checkpoint")
+    x.add_argument("--out", required=True, help="directory for from_pretrained (new, empty, or an earlier export)")
+    x.set_defaults(fn=_export)
     sub.add_parser("models", help="list model names").set_defaults(fn=_models)
     sub.add_parser("config", help="every config key with its default and meaning").set_defaults(fn=_config)
     sub.add_parser("plan", help="rank (data, x, y, z) grids for a model on N GPUs: memtrain plan --model M --gpus N")
@@ -100,14 +127,48 @@ def main(argv: list[str] | None = None) -> int | None:
     return _run(lambda: args.fn(args))
 
 
-def _run(fn) -> int | None:
+def _run(fn) -> int:
+    """Run a command; bad input (a ValueError, or an OSError such as a missing path, a full disk or a denied
+    write) ends as one line and exit 2, Ctrl-C or SIGTERM as exit 130. Anything else is a bug: its traceback
+    is shown."""
     try:
-        return fn()
-    except (ValueError, FileNotFoundError, FileExistsError, KeyError) as e:
-        msg = str(e).strip("'\"") or type(e).__name__
-        print(f"memtrain: error: {msg}", file=sys.stderr)
-        sys.exit(2)
+        return fn() or 0
+    except KeyboardInterrupt:
+        print("memtrain: interrupted: a run continues from its last checkpoint with --resume", file=sys.stderr)
+        return 130
+    except KeyError as e:  # str() of a KeyError is the repr of its argument
+        return fail(e.args[0] if e.args else "KeyError")
+    except OSError as e:
+        if e.filename is not None and e.strerror:
+            return fail(f"{e.filename}: {e.strerror} (check the path, its permissions and the free space)")
+        return fail(str(e))
+    except ValueError as e:
+        return fail(str(e))
 
+
+def fail(message: str) -> int:
+    """Print the house error line and return the exit code for bad input."""
+    print(f"memtrain: error: {message}", file=sys.stderr)
+    return 2
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse whose errors are the house one-liner (no usage dump): `memtrain: error: ...`, exit 2."""
+
+    def error(self, message):
+        where = "" if self.prog == "memtrain" else f"{self.prog}: "
+        self.exit(2, f"memtrain: error: {where}{message} (see {self.prog} --help)\n")
+
+
+def positive_int(text: str) -> int:
+    """An argparse type for counts that must be >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is invalid: use an integer >= 1")
+    return value
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -101,6 +101,9 @@ class TrainConfig:
     """Write a metrics.jsonl line every this many steps."""
     checkpoint_every: int = 0
     """Save a checkpoint every this many steps (0: only the final one)."""
+    checkpoint_every_min: float = 30.0
+    """Also save a checkpoint once this many minutes of training have passed since the last one (0: off), so a
+    long run killed midway loses at most that much (`--resume`). Rank 0's clock decides, for every rank."""
 
 
 @dataclass
@@ -215,6 +218,7 @@ RULES = {
     "train.warmup_steps": _at_least(0), "train.weight_decay": _at_least(0), "train.beta1": _fraction(),
     "train.beta2": _fraction(), "train.grad_clip": _at_least(0), "train.precision": _one_of("auto", "fp32", "bf16"),
     "train.log_every": _at_least(1), "train.checkpoint_every": _at_least(0),
+    "train.checkpoint_every_min": _at_least(0),
     "eval.suffix_len": _at_least(1), "eval.batch_size": _at_least(1), "eval.exposure_samples": _at_least(1),
     "eval.val_docs": _at_least(1),
     "wandb.mode": _one_of("auto", "online", "offline", "disabled"),
@@ -340,17 +344,29 @@ def field_docs(cls: type) -> dict[str, str]:
     return docs
 
 
+_PLACEHOLDERS = {"int": "<integer>", "float": "<number>", "str": "<string>", "bool": "<true|false>"}
+
+
 def describe() -> str:
-    """Every config key with its default and docstring, for `memtrain config`."""
-    out = []
+    """Every config key with its default and docstring, for `memtrain config`: a valid TOML recipe that loads as
+    the defaults. Each docstring is `# ` comments above its key; a key whose default is None (TOML has no null)
+    is written commented out, with a placeholder of its type."""
+    out = ["# memtrain run configuration: every key at its default. Save it (`memtrain config > recipe.toml`),",
+           "# edit what you need and run `memtrain train --config recipe.toml`; a key left out keeps its default.",
+           ""]
     defaults = RunConfig()
     for section, cls in _section_classes().items():
         out.append(f"[{section}]")
         docs = field_docs(cls)
         for f in dataclasses.fields(cls):
             value = getattr(getattr(defaults, section), f.name)
-            out.append(f"  {f.name} = {value!r}")
             if f.name in docs:
-                out.append(textwrap.fill(docs[f.name], 100, initial_indent="      ", subsequent_indent="      "))
+                out += textwrap.wrap(docs[f.name], 110, initial_indent="# ", subsequent_indent="# ")
+            if value is None:
+                kinds = [a.strip() for a in str(f.type).split("|") if a.strip() != "None"]
+                shown = " or ".join(_PLACEHOLDERS.get(k, f"<{k}>") for k in kinds)
+                out.append(f"# {f.name} = {shown}    (default: none)")
+            else:
+                out.append(f"{f.name} = {_toml_value(value)}")
         out.append("")
     return "\n".join(out)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -31,6 +32,7 @@ from memtrain.data.canaries import render_secret
 from memtrain.files import write_atomic
 from memtrain.hf import teacher_forced
 from memtrain.models import build_model
+from memtrain.progress import note, seconds, stage
 
 if TYPE_CHECKING:  # the trainer calls pass_scores: importing it here would be circular
     from memtrain.training.trainer import TrainResult
@@ -163,15 +165,24 @@ def evaluate(model, stream, cfg, run_dir: Path, steps: int) -> dict:
     seen = copies_seen(stream, cfg.train.batch_size, steps)
     canaries = _eval_canaries(stream.canaries, stream.eos_id, seen)
     buried = not stream.document_attention and any(p.offset > 1 for c in stream.canaries for p in c.placements)
+    t0 = time.perf_counter()
+    n_random = sum(c.kind == "random" for c in stream.canaries)
     with torch.inference_mode():
-        ext = ev.extraction_eval(model, canaries, suffix_len=cfg.eval.suffix_len, batch_size=cfg.eval.batch_size,
-                                 pythia=cfg.eval.pythia)
-        in_row = ev.extraction_eval(model, _in_row_canaries(stream, seen), suffix_len=cfg.eval.suffix_len,
-                                    batch_size=cfg.eval.batch_size, pythia=False) if buried else None
-        mia = ev.mia_eval(model, canaries, batch_size=cfg.eval.batch_size) if canaries else None
-        expo = _exposures(model, stream, cfg)
+        with stage(f"eval: extraction of {len(stream.canaries)} canaries and their twins (greedy, last "
+                   f"{cfg.eval.suffix_len} tokens{'; Pythia 32/32' if cfg.eval.pythia else ''}"
+                   f"{'; in-row context too' if buried else ''})"):
+            ext = ev.extraction_eval(model, canaries, suffix_len=cfg.eval.suffix_len,
+                                     batch_size=cfg.eval.batch_size, pythia=cfg.eval.pythia)
+            in_row = ev.extraction_eval(model, _in_row_canaries(stream, seen), suffix_len=cfg.eval.suffix_len,
+                                        batch_size=cfg.eval.batch_size, pythia=False) if buried else None
+        with stage("eval: membership inference (canaries vs twins)"):
+            mia = ev.mia_eval(model, canaries, batch_size=cfg.eval.batch_size) if canaries else None
+        with stage(f"eval: exposure of {n_random} random canaries and their twins "
+                   f"(up to {cfg.eval.exposure_samples:,} candidates each)"):
+            expo = _exposures(model, stream, cfg)
         val = _val_sequences(stream, cfg)
-        val_loss = ev.validation_loss(model, val, batch_size=cfg.eval.batch_size) if val else None
+        with stage(f"eval: validation loss on {len(val)} held-out documents"):
+            val_loss = ev.validation_loss(model, val, batch_size=cfg.eval.batch_size) if val else None
 
     tok = stream.tokenizer
     mia_rows = {r["id"]: r for r in mia["rows"]} if mia else {}
@@ -226,6 +237,7 @@ def evaluate(model, stream, cfg, run_dir: Path, steps: int) -> dict:
                                                                         "token_match_mean", "rouge_l_mean")}
     write_atomic(run_dir / "eval_canaries.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
     write_atomic(run_dir / "eval.json", json.dumps(result, indent=1))
+    note(f"eval: done in {seconds(time.perf_counter() - t0)}: {run_dir / 'eval.json'}")
     return result | {"rows": rows}
 
 

@@ -3,6 +3,7 @@
     model = build_model("ladder-10m", vocab_size=tokenizer_vocab)        # random init, seeded
     model = build_model("llama-3.1-405b", device="meta")                 # shapes only, nothing allocated
     model = build_model("/path/to/hf_dir")                               # from_pretrained, local files
+    model = build_model("/path/to/config_dir")                           # only config.json: seeded init
 
 Families:
 - `width-*`: the size study's ladder. Llama blocks scaled in one way only, width at fixed depth: 2 layers,
@@ -30,6 +31,8 @@ from pathlib import Path
 import torch
 
 LADDER_VOCAB = 4096
+_WEIGHT_FILES = ("*.safetensors", "*.safetensors.index.json", "*.bin", "*.bin.index.json", "*.pt", "*.pth", "*.h5",
+                 "*.msgpack", "*.gguf")
 
 _LLAMA_31 = dict(
     model_type="llama", vocab_size=128256, num_key_value_heads=8, max_position_embeddings=131072,
@@ -156,9 +159,16 @@ def _local_dir(name: str, trust_remote_code: bool) -> Path:
         raise _hub_error(name, e) from None
 
 
+def _holds_weights(path: Path) -> bool:
+    return any(next(path.glob(pattern), None) is not None for pattern in _WEIGHT_FILES)
+
+
 def build_model(name_or_path: str, vocab_size: int | None = None, *, device=None, dtype=None, seed: int = 0,
                 trust_remote_code: bool = False, **overrides):
     """A transformers causal LM: a named model from config, or a checkpoint from a directory or the hub.
+
+    A local directory without weight files (a config saved with save_pretrained) is an architecture, not a
+    checkpoint: it starts from the seeded init like a named model.
 
     vocab_size: for named models, replaces the config's (a locally trained tokenizer drives it); for
         checkpoints it may only be <= the checkpoint's (a tokenizer may leave embedding rows unused).
@@ -175,9 +185,13 @@ def build_model(name_or_path: str, vocab_size: int | None = None, *, device=None
     if vocab_size is not None and vocab_size > config.vocab_size:
         raise ValueError(f"vocab_size={vocab_size} exceeds the checkpoint's {config.vocab_size} at {str(path)!r}: "
                          "use the checkpoint's own tokenizer")
-    if torch.device(device or "cpu").type == "meta":
-        model = _from_config(config, "meta", dtype, seed, trust_remote_code)
-        model.memtrain_weights = str(path)  # parallelize loads them, slice by slice, into the shards
+    # Only a local directory can be config-only: a hub snapshot fetches *.safetensors alone, so a repository
+    # with .bin weights would look weightless and silently train from scratch.
+    weights = not os.path.isdir(name_or_path) or _holds_weights(path)
+    if not weights or torch.device(device or "cpu").type == "meta":
+        model = _from_config(config, device, dtype, seed, trust_remote_code)
+        if weights:
+            model.memtrain_weights = str(path)  # parallelize loads them, slice by slice, into the shards
         return model
     model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=dtype,
                                                  trust_remote_code=trust_remote_code)

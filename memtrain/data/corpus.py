@@ -10,11 +10,11 @@ import glob
 import hashlib
 import os
 import sysconfig
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 from memtrain.data.config import DataConfig
+from memtrain.progress import note
 
 _BUILDERS = {".txt": "text", ".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
 _TRUE = ("1", "true", "yes", "on")
@@ -39,19 +39,23 @@ def load_corpus(cfg: DataConfig) -> Corpus:
     """Read `cfg.corpus` into documents (empty ones dropped); raise if nothing is left."""
     src = cfg.corpus
     path = Path(src).expanduser()
+    skipped: list[str] = []
     if src == "stdlib":
-        docs = _stdlib_documents()
+        docs = _stdlib_documents(skipped)
     elif path.is_dir() and _is_saved_dataset(path):
         docs = _dataset_documents(_load_from_disk(path, cfg.corpus_split), cfg.text_field, src)
     elif path.is_dir():
-        docs = read_text_files(path, cfg.file_glob)
+        docs = read_text_files(path, cfg.file_glob, skipped=skipped)
     elif path.is_file() or glob.has_magic(src):
         docs = _data_file_documents(src, cfg)
     else:
         docs = _hub_documents(src, cfg)
     docs = [d for d in docs if d.text.strip()]
     if not docs:
-        raise ValueError(f"corpus {src!r} has no non-empty documents: check the path, file_glob, text_field")
+        unreadable = f" ({len(skipped)} file(s) skipped as not UTF-8 text)" if skipped else ""
+        raise ValueError(f"corpus {src!r} has no non-empty documents{unreadable}: check the path, file_glob, "
+                         "text_field")
+    report_skipped(skipped)  # after the check: a corpus that is only unreadable files is one error line
     if cfg.max_docs is not None and cfg.max_docs < len(docs):
         # Evenly spaced rather than the first n, so a small corpus still spans the whole source.
         docs = [docs[i * len(docs) // cfg.max_docs] for i in range(cfg.max_docs)]
@@ -66,13 +70,16 @@ def fingerprint(docs: list[Document]) -> str:
     return h.hexdigest()
 
 
-def read_text_files(root: Path, pattern: str = "**/*", skip_parts: tuple[str, ...] = ()) -> list[Document]:
+def read_text_files(root: Path, pattern: str = "**/*", skip_parts: tuple[str, ...] = (),
+                    skipped: list[str] | None = None) -> list[Document]:
     """Every file under root matching pattern, sorted by path, one UTF-8 document each.
 
-    Files that are not UTF-8 are skipped with one warning naming them all, rather than decoded with
-    replacement characters that the model would then learn.
+    Files that are not UTF-8 are skipped rather than decoded with replacement characters that the model would
+    then learn: appended to `skipped` ("path (reason)") when given, else reported at once (`report_skipped`).
     """
-    docs, skipped = [], []
+    report = skipped is None
+    skipped = [] if skipped is None else skipped
+    docs = []
     for p in sorted(root.glob(pattern)):
         rel = p.relative_to(root)
         if not p.is_file() or any(part in skip_parts or part.startswith(".") for part in rel.parts):
@@ -83,14 +90,23 @@ def read_text_files(root: Path, pattern: str = "**/*", skip_parts: tuple[str, ..
             skipped.append(f"{p} ({e.reason} at byte {e.start})")
             continue
         docs.append(Document(name=rel.as_posix(), text=text))
-    if skipped:
-        warnings.warn(f"skipping {len(skipped)} file(s) that are not UTF-8: {'; '.join(skipped)}", stacklevel=2)
+    if report:
+        report_skipped(skipped)
     return docs
 
 
-def _stdlib_documents() -> list[Document]:
+def report_skipped(skipped: list[str]) -> None:
+    """One stderr line (global rank 0) for the files left out as not UTF-8: how many, and the first."""
+    if skipped:
+        n = len(skipped)
+        note(f"data: skipped {n} file{'s' if n > 1 else ''} that {'are' if n > 1 else 'is'} not UTF-8, "
+             f"e.g. {skipped[0]}")
+
+
+def _stdlib_documents(skipped: list[str] | None = None) -> list[Document]:
     root = Path(sysconfig.get_paths()["stdlib"])
-    return read_text_files(root, "**/*.py", skip_parts=("site-packages", "dist-packages", "__pycache__"))
+    return read_text_files(root, "**/*.py", skip_parts=("site-packages", "dist-packages", "__pycache__"),
+                           skipped=skipped)
 
 
 def _is_saved_dataset(path: Path) -> bool:
@@ -128,8 +144,14 @@ def _data_file_documents(src: str, cfg: DataConfig) -> list[Document]:
                          f"{sorted(_BUILDERS)} (or a directory, read one document per file)")
     ext = exts.pop()
     kwargs = {"sample_by": cfg.txt_sample_by} if ext == ".txt" else {}
-    ds = datasets.load_dataset(_BUILDERS[ext], data_files=files, split="train",
-                               cache_dir=str(cfg.resolved_cache_dir() / "hf_datasets"), **kwargs)
+    datasets.disable_progress_bars()  # a bar per split of a few local files is noise
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # its parse errors come back as ours, below
+    try:
+        ds = datasets.load_dataset(_BUILDERS[ext], data_files=files, split="train",
+                                   cache_dir=str(cfg.resolved_cache_dir() / "hf_datasets"), **kwargs)
+    except datasets.exceptions.DatasetGenerationError as e:  # the parser's own error is its __cause__
+        raise ValueError(f"corpus {src!r} does not parse as {ext[1:]} ({type(e.__cause__).__name__}: "
+                         f"{str(e.__cause__)[:120]}): fix the file or name another data.corpus") from None
     return _dataset_documents(ds, "text" if ext == ".txt" else cfg.text_field, src)
 
 

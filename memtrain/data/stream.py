@@ -39,6 +39,7 @@ from memtrain.data.config import CanaryConfig, DataConfig
 from memtrain.data.corpus import load_corpus
 from memtrain.data.tokenizer import encode, load_tokenizer, tokenizer_fingerprint, vocab_size
 from memtrain.files import file_lock, write_atomic
+from memtrain.progress import stage
 from parallel import IGNORE_INDEX
 
 FORMAT_VERSION = 1
@@ -181,7 +182,9 @@ def build_stream(data_cfg: DataConfig, canary_cfg: CanaryConfig | None = None, s
     if not (folder / "meta.json").exists():
         with file_lock(folder.with_name(f"{key}.lock")):  # runs side by side build one entry once
             if not (folder / "meta.json").exists():
-                _write_stream(folder, data_cfg, canary_cfg, seed, corpus, tok, {**spec, "key": key})
+                with stage(f"data: tokenizing {len(corpus.docs):,} documents and packing them into sequences of "
+                           f"{data_cfg.seq_len} tokens"):
+                    _write_stream(folder, data_cfg, canary_cfg, seed, corpus, tok, {**spec, "key": key})
     meta = json.loads((folder / "meta.json").read_text())
     tokens = np.load(folder / "tokens.npy")
     canaries = [Canary.from_dict(d) for d in json.loads((folder / "canaries.json").read_text())]

@@ -16,6 +16,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedToken
 
 from memtrain.data.config import DataConfig
 from memtrain.data.corpus import Corpus
+from memtrain.progress import count, stage
 
 EOS = "<|endoftext|>"
 _BPE_VERSION = 1  # bump when the trainer settings below change
@@ -91,7 +92,10 @@ def _cached_bpe(corpus: Corpus, size: int, cache: Path) -> PreTrainedTokenizerFa
     path = cache / "tokenizers" / key / "tokenizer.json"
     if path.exists():
         return _wrap(Tokenizer.from_file(str(path)))
-    tok = train_bpe([d.text for d in corpus.docs], size)
+    texts = [d.text for d in corpus.docs]
+    with stage(f"data: corpus {corpus.source!r}: {len(texts):,} documents, {count(sum(map(len, texts)))} chars; "
+               f"training a byte-level BPE tokenizer (vocab {size:,})"):
+        tok = train_bpe(texts, size)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".tokenizer.json.{os.getpid()}.tmp")
     tok.backend_tokenizer.save(str(tmp))

@@ -7,6 +7,7 @@ architectures.py  one object per architecture: block layers, ends, init rule, ch
 slots.py          how each HF tensor maps onto this rank's shard (seeded init, loading, gathering)
 parallelize.py    `parallelize` and the resulting `ParallelLM`; `export_hf`
 decode.py         batched greedy decoding with a KV cache, and teacher-forced scoring, on a parallelized model
+export.py         `memtrain export`: a run's checkpoint and tokenizer as a from_pretrained directory
 """
 
 from memtrain.hf.architectures import ARCHITECTURES, Architecture, Shape, architecture_of

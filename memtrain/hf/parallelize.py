@@ -204,7 +204,7 @@ def parallelize(model, grid=None, mode: str = "auto", seed: int = 0, *, device=N
     first = next(model.parameters())
     target = _target_device(first.device, device)
     source = _weights_source(model, weights)
-    keys, tied = _hf_keys(model)
+    keys, tied = hf_keys(model)
     num_params = sum(p.numel() for p in model.parameters())
 
     b = Builder(model, grid, mode, first.dtype, arch.init_std(model.config))
@@ -235,7 +235,7 @@ def _weights_source(model, weights: str):
     return None
 
 
-def _hf_keys(model) -> tuple[list[str], list[str]]:
+def hf_keys(model) -> tuple[list[str], list[str]]:
     """HF names in state-dict order, and the tied duplicates (a tied parameter keeps its first name, as
     save_pretrained writes it)."""
     first, tied = set(), []

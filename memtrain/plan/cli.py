@@ -7,22 +7,23 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import time
+from pathlib import Path
 
+from memtrain.cli import ArgumentParser, positive_int
 from memtrain.files import write_atomic
 from memtrain.plan.network import DEFAULT_MACHINE, load_network, measure
 from memtrain.plan.search import PlanConfig, plan, table, to_json
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="memtrain plan", description=__doc__.splitlines()[0])
+    ap = ArgumentParser(prog="memtrain plan", description=__doc__.splitlines()[0])
     ap.add_argument("--model", help="named model or local HF directory")
-    ap.add_argument("--gpus", type=int, help="number of GPUs (ranks) N")
-    ap.add_argument("--batch", type=int, help="global batch in sequences (default: one per GPU)")
-    ap.add_argument("--seq", type=int, default=2048, help="tokens per sequence (default 2048)")
-    ap.add_argument("--micro-batch", type=int,
+    ap.add_argument("--gpus", type=positive_int, help="number of GPUs (ranks) N")
+    ap.add_argument("--batch", type=positive_int, help="global batch in sequences (default: one per GPU)")
+    ap.add_argument("--seq", type=positive_int, default=2048, help="tokens per sequence (default 2048)")
+    ap.add_argument("--micro-batch", type=positive_int,
                     help="sequences per rank per forward/backward (default: the largest that fits)")
     ap.add_argument("--mode", default="auto", choices=("auto", "sharded", "easy"))
     ap.add_argument("--precision", default="bf16", choices=("bf16", "fp32"))
@@ -30,19 +31,21 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--machine",
                     help=f"interconnect preset from memtrain/plan/machines.toml (default {DEFAULT_MACHINE})")
     ap.add_argument("--bandwidth", help="bandwidth table: JSON from --measure, or TOML with machines.toml's keys")
-    ap.add_argument("--gpus-per-node", type=int)
+    ap.add_argument("--gpus-per-node", type=positive_int)
     ap.add_argument("--gpu-memory-gb", type=float)
-    ap.add_argument("--top", type=int, default=10, help="rows to print (default 10)")
+    ap.add_argument("--top", type=positive_int, default=10, help="rows to print (default 10)")
     ap.add_argument("--json", help="write every fitting grid, ranked, to this JSON file")
     ap.add_argument("--measure", action="store_true", help="measure this machine's collectives (under torchrun)")
     ap.add_argument("--out", default="bandwidth.json", help="--measure: where to write the table")
     ap.add_argument("--sizes-mb", default="0.25,1,4", help="--measure: message sizes in MiB")
-    ap.add_argument("--iters", type=int, default=5, help="--measure: timed calls per size")
+    ap.add_argument("--iters", type=positive_int, default=5, help="--measure: timed calls per size")
     args = ap.parse_args(argv)
     if args.measure:
         return measure(args.out, [float(s) for s in args.sizes_mb.split(",")], args.iters)
     if args.model is None or args.gpus is None:
         raise ValueError("plan needs --model NAME_OR_DIR and --gpus N (or --measure)")
+    if args.json and Path(args.json).is_dir():
+        raise ValueError(f"--json {args.json!r} is a directory: name the JSON file to write, e.g. plan.json")
     start = time.perf_counter()
     net = load_network(args.machine, args.bandwidth, args.gpus_per_node, args.gpu_memory_gb)
     cfg = PlanConfig(args.model, args.gpus, args.batch, args.seq, args.micro_batch, args.mode, args.precision,

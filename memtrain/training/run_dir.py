@@ -15,11 +15,11 @@ from memtrain.config import RunConfig
 from memtrain.files import file_lock
 
 OUTPUTS = ("metrics.jsonl", "passes.jsonl", "run.json", "canaries.jsonl", "eval.json", "eval_canaries.jsonl",
-           "checkpoints", "wandb", "wandb-run.json")
+           "checkpoints", "tokenizer", "wandb", "wandb-run.json")
 """What a run writes (its config.toml aside: a recipe may sit in the directory it trains into)."""
 
-RESUMABLE = ("train.max_steps", "train.epochs", "train.log_every", "train.checkpoint_every", "eval.*", "wandb.*",
-             "parallel.*")
+RESUMABLE = ("train.max_steps", "train.epochs", "train.log_every", "train.checkpoint_every",
+             "train.checkpoint_every_min", "eval.*", "wandb.*", "parallel.*")
 """Keys a resumed run may change: how long it goes on, what it evaluates and logs, and the grid (checkpoints
 hold full tensors and load on any grid)."""
 
@@ -28,15 +28,16 @@ _HELD: dict[Path, object] = {}
 
 def claim(out: Path, *, resume: bool, force: bool) -> None:
     """Refuse (or with `force` clear) another run's files in `out`, then hold its lock for this process."""
+    hold(out)  # first: a directory another trainer is writing is refused even with --force
     existing = [name for name in OUTPUTS if (out / name).exists()]
     if existing and not resume:
         if not force:
+            release(out)
             raise FileExistsError(f"{str(out)!r} already holds a run ({', '.join(existing[:3])}): --resume "
                                   "continues it, --force replaces it, or choose another --out")
         for name in existing:
             path = out / name
             shutil.rmtree(path) if path.is_dir() else path.unlink()
-    hold(out)
 
 
 def hold(out: Path) -> None:

@@ -28,12 +28,16 @@ import contextlib
 import json
 import math
 import os
+import shlex
+import shutil
 import socket
+import sys
 import warnings
 from pathlib import Path
 from urllib.parse import urlparse
 
 from memtrain.files import write_atomic
+from memtrain.progress import note
 
 MODES = ("auto", "online", "offline", "disabled")
 _TRUE = ("1", "true", "yes", "on")
@@ -137,6 +141,8 @@ class Tracker:
         self.mode = mode if run is not None else "disabled"
         self._warned = False
         self._last_step = 0
+        self._offline_dir = self.run_dir if self.mode == "offline" else None
+        """Where this offline run's files are, named once by `finish` with the command that uploads them."""
 
     # construction -------------------------------------------------------------------------------
     @classmethod
@@ -267,6 +273,11 @@ class Tracker:
             if not self._warned:
                 warnings.warn(f"W&B finish failed ({type(e).__name__}: {e})", stacklevel=2)
                 self._warned = True
+            return
+        if self._offline_dir is not None:
+            path = shlex.quote(str(self._offline_dir))
+            note(f"W&B: offline run saved in {path}; upload it with: {sync_command()} sync {path}")
+            self._offline_dir = None
 
     def __enter__(self):
         return self
@@ -274,6 +285,15 @@ class Tracker:
     def __exit__(self, exc_type, exc, tb):
         self.finish(exit_code=1 if exc_type else 0)
         return False
+
+
+def sync_command() -> str:
+    """How to call the wandb CLI of this environment: `wandb` when that is the one on PATH, else its path."""
+    beside = Path(sys.executable).with_name("wandb")
+    on_path = shutil.which("wandb")
+    if beside.is_file() and not (on_path and os.path.samefile(on_path, beside)):
+        return shlex.quote(str(beside))
+    return "wandb"
 
 
 def _settings(wandb):

@@ -12,6 +12,8 @@ from __future__ import annotations
 import json
 import os
 import resource
+import shutil
+import statistics
 import time
 import warnings
 from collections.abc import Callable
@@ -19,13 +21,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 import parallel
 from memtrain.config import RunConfig, to_toml
 from memtrain.config import load as load_config
 from memtrain.data import TrainStream, build_stream
 from memtrain.evaluate import pass_scores
-from memtrain.files import write_atomic
+from memtrain.files import replace_dir, write_atomic
 from memtrain.hf import ParallelLM, parallelize
 from memtrain.losses import keep_mask
 from memtrain.models import build_model
@@ -48,6 +51,8 @@ class TrainResult:
     model: ParallelLM
     stream: TrainStream
     tracker: Tracker
+    tokens_per_s: float | None = None
+    """Median training throughput over the steps this process ran (None when it ran none: a finished run resumed)."""
 
 
 def _append_jsonl(path: Path, record: dict) -> None:
@@ -71,6 +76,15 @@ def _truncate_jsonl(path: Path, last_step: int) -> None:
     write_atomic(path, "".join(line + "\n" for line in kept))
 
 
+def _save_tokenizer(tok, path: Path) -> None:
+    """The run's tokenizer in HF format: `memtrain export` then needs neither the cache nor the corpus to
+    rebuild it. Written into a temporary sibling and renamed into place, like a checkpoint."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tok.save_pretrained(tmp)
+    replace_dir(tmp, path)
+
+
 def _memory_mb(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
@@ -89,11 +103,24 @@ def setup(cfg: RunConfig, grid: parallel.Grid):
 def _build_stream_once_per_node(cfg: RunConfig, grid: parallel.Grid):
     """Local rank 0 builds the stream (tokenizer training, tokenization, packing) into the cache first; the
     node's other ranks then read it. Built by every rank at once, the same work ran N times over on the
-    node's cores (4 ranks on 2 cores: minutes instead of seconds for the default corpus)."""
+    node's cores (4 ranks on 2 cores: minutes instead of seconds for the default corpus). The build ends
+    with a vote instead of a bare barrier: when a first rank fails (bad corpus), every rank stops at once
+    rather than waiting out the collective timeout."""
     first = int(os.environ.get("LOCAL_RANK", "0")) == 0
-    stream = build_stream(cfg.data, cfg.canaries, seed=cfg.train.seed) if first else None
+    stream, error = None, None
+    if first:
+        try:
+            stream = build_stream(cfg.data, cfg.canaries, seed=cfg.train.seed)
+        except (ValueError, OSError) as e:
+            error = e
     if grid.world_size > 1:
-        torch.distributed.barrier()
+        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
+        ok = torch.tensor([0.0 if error else 1.0], device=device)
+        parallel.comm.all_reduce(ok, grid, parallel.AXES, op=dist.ReduceOp.MIN)
+        if error is None and ok.item() == 0.0:
+            raise ValueError("building the data stream failed on another node's first rank: see its error")
+    if error is not None:
+        raise error
     return stream if first else build_stream(cfg.data, cfg.canaries, seed=cfg.train.seed)
 
 
@@ -183,12 +210,15 @@ def train(cfg: RunConfig, out_dir: str | Path, *, resume: bool = False, force: b
             "stream_key": stream.key, "trained": trained, "grid": {a: getattr(grid, a) for a in parallel.AXES},
             "mode": plm.mode, "params": plm.num_params(), "hidden_size": plm.config.hidden_size,
             "lr": peak_lr(cfg, plm.config.hidden_size), "precision": "bf16" if amp else "fp32"}))
+        _save_tokenizer(stream.tokenizer, out / "tokenizer")
 
     peak = matmul_peak_flops(device, amp or torch.float32)
     flops_per_token = 6 * plm.num_params()
     last: dict = {}
+    rates: list[float] = []
     progress = _progress(grid, start, total)
     tracker = Tracker.start(cfg, out, grid.rank)
+    saved_at = _clock()
     for step in range(start, total):
         t0 = time.perf_counter()
         batch = stream.batch(step % steps_per_epoch, B)
@@ -210,6 +240,7 @@ def train(cfg: RunConfig, out_dir: str | Path, *, resume: bool = False, force: b
             "epoch": step // steps_per_epoch,
         }
         last = record
+        rates.append(record["tokens_per_s"])
         if grid.rank == 0 and ((step + 1) % t.log_every == 0 or step + 1 == total):
             _append_jsonl(metrics_path, record)
             tracker.log(record, step + 1)
@@ -221,10 +252,30 @@ def train(cfg: RunConfig, out_dir: str | Path, *, resume: bool = False, force: b
             if grid.rank == 0:
                 _append_jsonl(passes_path, scores)
                 tracker.log({"pass": scores}, step + 1)
-        if t.checkpoint_every and (step + 1) % t.checkpoint_every == 0 and step + 1 < total:
+        by_steps = bool(t.checkpoint_every) and (step + 1) % t.checkpoint_every == 0
+        if step + 1 < total and (by_steps or checkpoint_due(grid, saved_at, t.checkpoint_every_min, device)):
             checkpoint.save(out, plm, opt, sched, step + 1, {"config_digest": cfg.digest()})
+            saved_at = _clock()
     checkpoint.save(out, plm, opt, sched, total, {"config_digest": cfg.digest()})
-    return TrainResult(out, total, last, grid, plm, stream, tracker)
+    return TrainResult(out, total, last, grid, plm, stream, tracker,
+                       statistics.median(rates) if rates else None)
+
+
+_clock = time.monotonic  # the time-based checkpoints' clock (tests replace it)
+
+
+def checkpoint_due(grid, saved_at: float, minutes: float, device: torch.device) -> bool:
+    """Whether `minutes` have passed since `saved_at` (0: never), by global rank 0's clock, broadcast: every rank
+    gets the same answer at the same step, so all of them enter the collective save together (clocks differ
+    between hosts, and a rank deciding alone would hang the others). Saving changes nothing trained."""
+    if minutes <= 0:
+        return False
+    due = _clock() - saved_at >= minutes * 60
+    if grid.world_size > 1:
+        flag = torch.tensor([1.0 if due else 0.0], device=device)
+        torch.distributed.broadcast(flag, src=0)
+        due = bool(flag.item())
+    return due
 
 
 def _progress(grid, start: int, total: int):

@@ -4,10 +4,16 @@ pretraining, evaluation, W&B offline files, results.jsonl and the report; then -
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import textwrap
+import time
 from pathlib import Path
 
 from experiments import sweep
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _corpus(root):
@@ -82,3 +88,76 @@ def test_tiny_sweep_end_to_end(tmp_path, monkeypatch):
 
     assert sweep.main([str(spec_path), "--out", str(out), "--resume", "--no-report"]) == 0
     assert len((out / "results.jsonl").read_text().splitlines()) == 4
+
+
+def test_sweep_killed_with_sigkill_takes_its_trainer_along_and_resumes(tmp_path):
+    """kill -9 of the sweep while a real trainer runs: the trainer dies with it (no orphan keeps writing the
+    run directory), and --resume continues that point from its checkpoint to an ok result."""
+    corpus = _corpus(tmp_path / "corpus")
+    spec_path = tmp_path / "one.toml"
+    spec_path.write_text(textwrap.dedent(f'''
+        [sweep]
+        name = "one"
+        [base.data]
+        corpus = "{corpus}"
+        vocab_size = 320
+        seq_len = 64
+        [base.canaries]
+        number = 2
+        copies = [1]
+        length = 24
+        [base.train]
+        batch_size = 4
+        epochs = 200
+        max_steps = 400
+        checkpoint_every = 5
+        [base.eval]
+        suffix_len = 8
+        exposure_samples = 8
+        val_docs = 2
+        [axes]
+        "model.name" = ["width-32"]
+        [pretrain]
+        steps = 0
+    '''))
+    out = tmp_path / "runs"
+    env = dict(os.environ, PYTHONPATH=str(ROOT), MEMTRAIN_CACHE=str(tmp_path / "cache"), WANDB_MODE="disabled",
+               OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "experiments.sweep", str(spec_path), "--out", str(out), "--no-report"]
+    sweep_proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    checkpoints = out / "width-32" / "checkpoints"
+    deadline = time.time() + 300
+    while not list(checkpoints.glob("step_*")) and time.time() < deadline:
+        time.sleep(0.2)
+    assert list(checkpoints.glob("step_*")), "the trainer never saved a checkpoint"
+    trainers = _trainers_of(out)
+    assert trainers, "no trainer process found"
+    sweep_proc.kill()
+    sweep_proc.wait()
+    deadline = time.time() + 30
+    while _trainers_of(out) and time.time() < deadline:
+        time.sleep(0.2)
+    assert not _trainers_of(out), "the trainer outlived its sweep"
+
+    r = subprocess.run([*cmd, "--resume"], env=env, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "width-32: resuming" in r.stdout + r.stderr
+    rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    assert [(row["point"], row["status"]) for row in rows] == [("width-32", "ok")]
+    steps = [json.loads(line)["step"] for line in (out / "width-32" / "metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(1, 401))  # no step twice, none missing
+
+
+def _trainers_of(out: Path) -> list[int]:
+    """Live `memtrain train` processes writing under `out` (from /proc: no extra dependency)."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        try:
+            argv = (proc / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if proc.name.isdigit() and b"train" in argv and any(str(out).encode() in a for a in argv):
+            status = (proc / "status").read_text()
+            if "\nState:\tZ" not in status:
+                pids.append(int(proc.name))
+    return pids

@@ -10,9 +10,12 @@
   are exactly 1/(x*y*z) of torch's for the full layer (integers: compared exactly).
 """
 
+import datetime
 import itertools
 import multiprocessing as mp
+import os
 import queue
+import time
 import traceback
 
 import pytest
@@ -108,6 +111,40 @@ def test_slurm_nodelist_first_host():
     assert first_slurm_host("gpu[003-006,9],login1") == "gpu003"
     assert first_slurm_host("node[7,9-12]") == "node7"
     assert first_slurm_host("a1,b2") == "a1"
+
+
+def _stuck_peer(rank, init_file, q):
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=3))
+    if rank == 1:
+        time.sleep(15)  # alive, but never joins the collective
+        os._exit(0)
+    t0 = time.perf_counter()
+    try:
+        dist.all_reduce(torch.ones(1))
+        q.put(("no error", time.perf_counter() - t0))
+    except RuntimeError as e:  # DistBackendError is a RuntimeError
+        q.put((type(e).__name__, time.perf_counter() - t0))
+    q.close()
+    q.join_thread()  # the put is sent by a feeder thread: let it finish before the hard exit
+    os._exit(0)  # no atexit handlers: the process group would wait for the stuck peer
+
+
+def test_a_stuck_rank_becomes_an_error_after_the_process_group_timeout(tmp_path):
+    """What parallel.timeout_s buys (the trainer's CPU default is 120 s, not torch's 30 min): a rank that is
+    alive but stuck turns into an error on the others once the timeout (3 s here) has passed, not a hang."""
+    ctx = mp.get_context("fork")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_stuck_peer, args=(r, str(tmp_path / "rendezvous"), q)) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    try:
+        error, seconds = q.get(timeout=60)
+    finally:
+        for p in procs:
+            p.kill()
+            p.join()
+    assert error != "no error" and 2.5 <= seconds <= 12, (error, seconds)
 
 
 # ---------------------------------------------------------------- Linear divisibility checks

@@ -30,7 +30,6 @@ def text_dir(tmp_path):
     return root
 
 
-@pytest.mark.filterwarnings("ignore:skipping .*not UTF-8")
 def test_stdlib_corpus_is_sorted_python_source_without_site_packages():
     corpus = load_corpus(DataConfig(max_docs=30))
     names = [d.name for d in corpus.docs]
@@ -40,11 +39,21 @@ def test_stdlib_corpus_is_sorted_python_source_without_site_packages():
     assert corpus.fingerprint != load_corpus(DataConfig(max_docs=31)).fingerprint
 
 
-def test_directory_corpus_skips_non_utf8_file_with_warning(text_dir):
+def test_directory_corpus_skips_non_utf8_files_with_one_line(text_dir, capsys):
     (text_dir / "latin1.txt").write_bytes("caf\xe9 cr\xe8me".encode("latin-1"))
-    with pytest.warns(UserWarning, match="latin1.txt"):
-        corpus = load_corpus(DataConfig(corpus=str(text_dir)))
-    assert len(corpus.docs) == 12 and "latin1.txt" not in [d.name for d in corpus.docs]
+    (text_dir / "koi8.txt").write_bytes("привет".encode("koi8-r"))
+    corpus = load_corpus(DataConfig(corpus=str(text_dir)))
+    assert len(corpus.docs) == 12 and not {"latin1.txt", "koi8.txt"} & {d.name for d in corpus.docs}
+    assert capsys.readouterr().err.splitlines() == [
+        f"data: skipped 2 files that are not UTF-8, e.g. {text_dir / 'koi8.txt'} (invalid continuation byte at "
+        "byte 0)"]  # how many, and the first by path (other ranks stay silent: tests/memtrain/test_progress.py)
+
+
+def test_corpus_of_unreadable_files_is_one_error(tmp_path, capsys):
+    (tmp_path / "latin1.txt").write_bytes("caf\xe9".encode("latin-1"))
+    with pytest.raises(ValueError, match="no non-empty documents"):
+        load_corpus(DataConfig(corpus=str(tmp_path)))
+    assert capsys.readouterr().err == ""  # the error alone: no line about the skipped file before it
 
 
 def test_empty_corpus_is_a_clear_error(tmp_path):

@@ -96,7 +96,7 @@ def test_405b_on_4096_gpus_plans_every_grid(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--model", "ladder-1m", "--gpus", "0"], "--gpus 0 is invalid"),
+    (["--model", "ladder-1m", "--gpus", "0"], "--gpus: 0 is invalid"),
     (["--model", "ladder-7m", "--gpus", "8"], "unknown model 'ladder-7m'"),
     (["--model", "ladder-1m", "--gpus", "3", "--batch", "4"], "not divisible by parallel.x=3"),
     (["--model", "ladder-1m", "--gpus", "3", "--batch", "4"], "batch 4 is not divisible by data*z=3"),
@@ -104,8 +104,10 @@ def test_405b_on_4096_gpus_plans_every_grid(tmp_path, capsys):
     (["--model", "ladder-1m", "--gpus", "8", "--machine", "cray-1"], "unknown machine 'cray-1'"),
 ])
 def test_bad_input_is_one_line_and_exit_2(args, message, capsys):
-    with pytest.raises(SystemExit) as e:
-        cli_main(["plan", *args])
+    try:
+        code = cli_main(["plan", *args])
+    except SystemExit as e:  # argparse's own checks exit from inside
+        code = e.code
     err = capsys.readouterr().err
-    assert e.value.code == 2 and err.startswith("memtrain: error: ") and message in err, err
+    assert code == 2 and err.startswith("memtrain: error: ") and message in err, err
     assert len(err.strip().splitlines()) == 1, err

@@ -188,3 +188,31 @@ def test_redact_and_flatten():
                  "nested": [{"password": "<redacted>"}]}
     flat = tracking.flatten({"a": 1, "b": {"c": 2.5, "d": "text", "e": None, "f": True}, "g": float("inf")})
     assert flat == {"a": 1, "b/c": 2.5, "b/f": 1}
+
+
+def test_offline_run_names_its_directory_and_sync_command_once(tmp_path, monkeypatch, capsys):
+    import shlex
+    from pathlib import Path
+
+    monkeypatch.setenv("WANDB_API_KEY", FAKE_KEY)  # in the environment: must never be printed
+    run_dir = tmp_path / "run"
+    tr = Tracker.start(_cfg("offline"), run_dir, rank=0)
+    tr.log({"loss": 1.0}, step=1)
+    tr.finish()
+    tr.finish()
+    out, err = capsys.readouterr()
+    named = [line for line in err.splitlines() if "sync" in line]
+    assert len(named) == 1, err
+    offline = list((run_dir / "wandb").glob("offline-run-*"))
+    assert len(offline) == 1 and any(offline[0].glob("*.wandb"))  # the directory named holds the run
+    where, command = named[0].split("; upload it with: ")
+    assert where == f"W&B: offline run saved in {shlex.quote(str(offline[0]))}"
+    exe, *args = shlex.split(command)
+    assert args == ["sync", str(offline[0])]
+    assert exe == "wandb" or Path(exe).name == "wandb" and Path(exe).is_file()
+    assert FAKE_KEY not in out + err
+
+    for tr in (Tracker.start(_cfg("offline"), tmp_path / "other-rank", rank=1),
+               Tracker.start(_cfg("disabled"), tmp_path / "disabled", rank=0)):
+        tr.finish()
+    assert "sync" not in capsys.readouterr().err

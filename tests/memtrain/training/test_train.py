@@ -165,3 +165,36 @@ def test_resume_with_other_config_and_corrupt_checkpoint(recipe, finished_run, t
     (broken / "model.safetensors").write_bytes(b"not a safetensors file")
     r = memtrain("eval", "--run", finished_run, "--checkpoint", broken)
     assert r.returncode == 2 and "corrupt" in r.stderr.splitlines()[-1]
+
+
+def _checkpoint_decisions(rank, world):
+    import parallel
+    from memtrain.training import trainer
+
+    grid = parallel.init(data=world)
+    trainer._clock = lambda: 1000.0
+    cpu = torch.device("cpu")
+    # 5 minutes: rank 0 saved 500 s ago and rank 1 just now, then the other way round; alone, they would disagree.
+    return [trainer.checkpoint_due(grid, 500.0 if rank == 0 else 1000.0, 5.0, cpu),
+            trainer.checkpoint_due(grid, 1000.0 if rank == 0 else 500.0, 5.0, cpu),
+            trainer.checkpoint_due(grid, 0.0, 0.0, cpu)]  # 0 minutes: off
+
+
+def test_time_based_checkpoint_is_rank_0s_decision_on_every_rank():
+    assert run_ranks(2, _checkpoint_decisions) == [[True, False, False], [True, False, False]]
+
+
+def test_time_based_checkpoints_change_nothing_trained(recipe, tmp_path):
+    sets = ["--set", "eval.enabled=false"]
+    r = memtrain("train", "--config", recipe, "--out", tmp_path / "off", *sets, "--set", "train.checkpoint_every_min=0")
+    assert r.returncode == 0, r.stderr[-2000:]
+    r = memtrain("train", "--config", recipe, "--out", tmp_path / "often", *sets,
+                 "--set", "train.checkpoint_every_min=1e-9")  # due after every step
+    assert r.returncode == 0, r.stderr[-2000:]
+    names = sorted(p.name for p in (tmp_path / "often" / "checkpoints").glob("step_*"))
+    assert names == [f"step_00000{i}" for i in range(1, 7)]
+    assert [p.name for p in (tmp_path / "off" / "checkpoints").glob("step_*")] == ["step_000006"]
+    for name in ("model.safetensors", "optimizer.safetensors"):
+        a = load_file(str(tmp_path / "off" / "checkpoints" / "step_000006" / name))
+        b = load_file(str(tmp_path / "often" / "checkpoints" / "step_000006" / name))
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), name

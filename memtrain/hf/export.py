@@ -1,0 +1,142 @@
+"""`memtrain export RUN_OR_CHECKPOINT --out DIR`: a trained run as a plain transformers model directory.
+
+Why: a memorization result should be checkable without memtrain. The directory loads with transformers
+alone, offline and without remote code,
+
+    model = AutoModelForCausalLM.from_pretrained(DIR, local_files_only=True)
+    tok = AutoTokenizer.from_pretrained(DIR, local_files_only=True)
+
+and greedy `model.generate` from memtrain's context gives memtrain's extraction of every canary back. That
+context is the EOS that opens each canary in training, then the canary's prefix: with document attention
+(the default) exactly what training saw, wherever the copy sat in its row. Every training document starts
+after an EOS, so EOS is also the exported BOS (`tok(text)` starts with it) and, where the tokenizer has no
+pad token, the pad. Pass generate an explicit attention mask (ones, or a batch's padding mask): with pad
+equal to EOS it cannot infer one, the opening EOS looking like padding.
+
+What: RUN_OR_CHECKPOINT is a run directory of `memtrain train` (its newest complete checkpoint) or one of
+its checkpoint directories. DIR gets config.json (the model config as the trainer built it),
+model.safetensors (the checkpoint's full tensors under HF names, read and written with safetensors only),
+generation_config.json (greedy) and the run's tokenizer. It is written into a temporary sibling and
+renamed into place, so DIR never holds a half-written model.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+from safetensors.torch import load_file, save_file
+from transformers import AutoTokenizer, GenerationConfig
+
+from memtrain.config import load as load_config
+from memtrain.data.tokenizer import vocab_size
+from memtrain.files import replace_dir
+from memtrain.hf.parallelize import hf_keys
+from memtrain.models import build_model
+from memtrain.training.checkpoint import latest
+
+_HINT = "pass the --out directory of `memtrain train` or one of its checkpoints/step_* directories"
+
+
+def export(source: str | os.PathLike, out: str | os.PathLike) -> tuple[Path, Path]:
+    """Write the model of a run or checkpoint to `out`; returns (the checkpoint exported, out)."""
+    run, ckpt = resolve(Path(source))
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise FileExistsError(f"--out {str(out)!r} is a file: name a directory")
+    cfg = load_config(run / "config.toml")
+    tok = _tokenizer(run, cfg)
+    # The model the trainer built (named config at the tokenizer's vocabulary, or the directory's config), on
+    # meta: only its config and its state-dict names and shapes are needed.
+    model = build_model(cfg.model.name, vocab_size=vocab_size(tok), device="meta",
+                        trust_remote_code=cfg.model.trust_remote_code)
+    weights = _weights(ckpt, model, cfg.model.name)
+
+    config = model.config
+    config.architectures = [type(model).__name__]
+    config.dtype = next(iter(weights.values())).dtype  # from_pretrained then loads the tensors as they are
+    # The tokenizer's ids, not the config's defaults (LlamaConfig's BOS 1 and EOS 2 mean nothing to a local BPE).
+    ids = dict(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    config.update(ids)
+    generation = GenerationConfig(do_sample=False, **ids)
+
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        # format=pt as save_pretrained writes it: some loaders check it.
+        save_file({k: v.contiguous() for k, v in weights.items()}, str(tmp / "model.safetensors"),
+                  metadata={"format": "pt"})
+        config.save_pretrained(tmp)
+        # safetensors creates its file owner-only (0600): give it the mode of the files beside it.
+        os.chmod(tmp / "model.safetensors", (tmp / "config.json").stat().st_mode)
+        generation.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        # Only an earlier export is replaced: any other file in `out` would be deleted along with it.
+        foreign = sorted(set(os.listdir(out)) - set(os.listdir(tmp))) if out.is_dir() else []
+        if foreign:
+            raise FileExistsError(f"--out {str(out)!r} holds files an export does not write ({', '.join(foreign[:3])})"
+                                  ": name a new or empty directory")
+        replace_dir(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return ckpt, out
+
+
+def resolve(path: Path) -> tuple[Path, Path]:
+    """(run directory, checkpoint directory) of a run directory or of one of its checkpoints."""
+    if not path.exists():
+        raise FileNotFoundError(f"RUN_OR_CHECKPOINT {str(path)!r} does not exist: {_HINT}")
+    if (path / "config.toml").is_file():
+        ckpt = latest(path)
+        if ckpt is None:
+            raise FileNotFoundError(f"run {str(path)!r} has no complete checkpoint in {str(path / 'checkpoints')!r}: "
+                                    "let its training finish (`memtrain train --resume` continues it)")
+        return path, ckpt
+    run = path.parent.parent  # RUN/checkpoints/step_N: the config and tokenizer live in RUN
+    if (path / "state.json").is_file() and (run / "config.toml").is_file():
+        return run, path
+    raise ValueError(f"RUN_OR_CHECKPOINT {str(path)!r} is neither a run directory (config.toml) nor a checkpoint "
+                     f"of one (state.json): {_HINT}")
+
+
+def _tokenizer(run: Path, cfg):
+    """The run's tokenizer with BOS = EOS (prepended by the tokenizer) and a pad token."""
+    if (run / "tokenizer").is_dir():
+        tok = AutoTokenizer.from_pretrained(run / "tokenizer", local_files_only=True)
+        for key in ("is_local", "local_files_only"):  # how this copy was loaded, which save_pretrained would keep
+            tok.init_kwargs.pop(key, None)
+    else:  # a run from before the trainer kept its tokenizer: rebuild the stream, check it is the trained one
+        from memtrain.data import build_stream
+
+        stream = build_stream(cfg.data, cfg.canaries, seed=cfg.train.seed)
+        if json.loads((run / "run.json").read_text()).get("stream_key") != stream.key:
+            raise ValueError(f"run {str(run)!r} has no tokenizer/ and its data or tokenizer changed since training: "
+                             "export with the data and tokenizer it was trained with")
+        tok = stream.tokenizer
+    tok.bos_token = tok.eos_token
+    tok.add_bos_token = True
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def _weights(ckpt: Path, model, name: str) -> dict:
+    """The checkpoint's tensors, checked against the model's state-dict names and shapes (tied copies aside)."""
+    path = ckpt / "model.safetensors"
+    if not path.is_file():
+        raise FileNotFoundError(f"checkpoint {str(ckpt)!r} has no model.safetensors: export another checkpoint")
+    try:
+        weights = load_file(str(path))
+    except Exception as e:  # safetensors raises its own error types for corrupt files
+        raise ValueError(f"checkpoint {str(ckpt)!r} is corrupt ({type(e).__name__}: {e}): export an earlier "
+                         "checkpoint or re-run training") from None
+    keys, _ = hf_keys(model)
+    shapes = model.state_dict()
+    wrong = sorted(set(keys) ^ set(weights)) or [k for k in keys if weights[k].shape != shapes[k].shape]
+    if wrong:
+        raise ValueError(f"checkpoint {str(ckpt)!r} does not fit model {name!r} ({', '.join(wrong[:3])}): export "
+                         "with the config it was trained with")
+    return weights

@@ -1,0 +1,191 @@
+"""`memtrain export` end to end, and an HF directory holding only config.json as `model.name`.
+
+A tiny run is trained through the command line as a user would: 2 random and 2 document canaries at 2 and 8
+copies, in a stream cut to 500 tokens of other text, so that most rows are canary copies and width-64
+memorizes some of them in 30 passes (60 steps, seconds) while the twins stay unknown: a mixed result, so
+exact match is not trivially all-False. The export is then loaded with transformers alone (offline, no
+remote code) and `generate` (greedy) must give every evaluated canary and twin the same continuation, token
+for token, as memtrain's own extraction wrote to eval_canaries.jsonl.
+
+No float tolerance anywhere: exported weights are the checkpoint's tensors copied, so they compare bitwise;
+generated tokens are argmaxes of the same fp32 model on the same context ([EOS] + the canary's prefix, what
+memtrain feeds with document attention and canaries placed at row starts). The one difference is that
+memtrain batches prefixes of unequal lengths with left padding while this test generates each one unpadded;
+summation order may then differ in the last bits, which could only flip an argmax at a near-exact tie.
+Seeded initializations are compared bitwise too: the same (seed, config) draws the same values.
+"""
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from parallel.forked import run_ranks
+from tests.memtrain.training._helpers import memtrain, stdlib_corpus
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+MODEL = "width-64"
+
+
+@pytest.fixture(scope="module")
+def recipe(tmp_path_factory):
+    corpus = stdlib_corpus(tmp_path_factory.mktemp("corpus"), every=4, count=40, chars=6000)
+    cache = tmp_path_factory.mktemp("cache")
+    path = tmp_path_factory.mktemp("recipe") / "memorize.toml"
+    path.write_text(f"""
+[model]
+name = "{MODEL}"
+[train]
+batch_size = 8
+epochs = 30
+lr = 2e-2
+warmup_steps = 2
+[data]
+corpus = "{corpus}"
+vocab_size = 512
+seq_len = 64
+max_text_tokens = 500
+cache_dir = "{cache}"
+[canaries]
+number = 2
+copies = [2, 8]
+length = 24
+secret_groups = 2
+[eval]
+suffix_len = 8
+exposure_samples = 64
+val_docs = 8
+[wandb]
+mode = "disabled"
+""")
+    return path
+
+
+@pytest.fixture(scope="module")
+def run(recipe, tmp_path_factory):
+    out = tmp_path_factory.mktemp("run")
+    r = memtrain("train", "--config", recipe, "--out", out)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return out
+
+
+@pytest.fixture(scope="module")
+def exported(run, tmp_path_factory):
+    out = tmp_path_factory.mktemp("export") / "hf"
+    r = memtrain("export", run, "--out", out)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "step_000060" in r.stdout
+    return out
+
+
+def _evaluated(run: Path, n: int):
+    """Every row of eval_canaries.jsonl (canaries and twins) with its prefix and true suffix of n tokens."""
+    manifest = {c["id"]: c for c in map(json.loads, (run / "canaries.jsonl").read_text().splitlines())}
+    for line in (run / "eval_canaries.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        canary = manifest[row["id"].removesuffix("-twin")]
+        ids = canary["token_ids" if row["inserted"] else "twin_token_ids"]
+        yield row, ids[:-n], ids[-n:]
+
+
+def test_export_loads_offline_and_generate_reproduces_extraction(run, exported):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    assert {"config.json", "model.safetensors", "generation_config.json", "tokenizer.json",
+            "tokenizer_config.json"} <= set(os.listdir(exported))
+    model = AutoModelForCausalLM.from_pretrained(exported, local_files_only=True)
+    tok = AutoTokenizer.from_pretrained(exported, local_files_only=True)
+    model.eval()
+
+    # The run kept its tokenizer, and the export is that tokenizer with BOS = pad = its EOS, prepended.
+    kept = AutoTokenizer.from_pretrained(run / "tokenizer", local_files_only=True)
+    eos = kept.eos_token_id
+    assert kept.get_vocab() == tok.get_vocab()
+    assert tok.bos_token_id == tok.eos_token_id == tok.pad_token_id == eos
+    assert model.config.bos_token_id == model.config.eos_token_id == model.config.pad_token_id == eos
+    assert model.generation_config.eos_token_id == eos and not model.generation_config.do_sample
+    assert tok("The secret code")["input_ids"][0] == eos
+
+    # The weights are the latest checkpoint's, bit for bit.
+    ckpt = load_file(str(run / "checkpoints" / "step_000060" / "model.safetensors"))
+    state = model.state_dict()
+    assert ckpt.keys() == state.keys()
+    assert all(torch.equal(ckpt[k], state[k]) for k in ckpt)
+
+    outcomes = []
+    n = json.loads((run / "eval.json").read_text())["suffix_len"]
+    for row, prefix, suffix in _evaluated(run, n):
+        context = torch.tensor([[eos, *prefix]])
+        with torch.no_grad():
+            out = model.generate(context, attention_mask=torch.ones_like(context), max_new_tokens=n,
+                                 do_sample=False)
+        generated = out[0, context.shape[1]:].tolist()
+        # generate stops at EOS (memtrain's extraction decodes all n tokens): compare what it produced.
+        assert generated == row["generated"][:len(generated)], row["id"]
+        assert len(generated) == n or generated[-1] == eos, row["id"]
+        assert (generated == suffix) == row["exact_match"], row["id"]
+        outcomes.append(row["exact_match"])
+    assert len(outcomes) == 2 * 2 * 2  # 2 kinds x 2 canaries, each with its twin
+    assert any(outcomes), "nothing memorized: the comparison would only ever see misses"
+    assert not all(outcomes)
+
+
+def test_export_of_a_checkpoint_replaces_an_earlier_export(run, exported):
+    before = {name: (exported / name).read_bytes() for name in os.listdir(exported)}
+    r = memtrain("export", run / "checkpoints" / "step_000060", "--out", exported)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert {name: (exported / name).read_bytes() for name in os.listdir(exported)} == before
+    assert not [p for p in exported.parent.iterdir() if p.name.startswith(".")]  # no temporary left behind
+
+
+@pytest.mark.parametrize("case", ["not a run", "out is a file"])
+def test_bad_arguments_are_one_clear_line(run, tmp_path, case):
+    if case == "not a run":
+        (tmp_path / "notes.txt").write_text("hello")
+        args, expect = [tmp_path, "--out", tmp_path / "hf"], "neither a run directory"
+    else:
+        (tmp_path / "file").write_text("")
+        args, expect = [run, "--out", tmp_path / "file"], "is a file"
+    r = memtrain("export", *args)
+    assert r.returncode == 2, r.stderr[-2000:]
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("memtrain: error:") and expect in lines[0], r.stderr[-2000:]
+
+
+def _initial_weights(rank, world, recipe, names):
+    import parallel
+    from memtrain.config import load
+    from memtrain.training import setup
+
+    out = []
+    for name in names:
+        _, plm = setup(load(recipe, [f"model.name={name}"]), parallel.Grid(1, 1, 1, 1))
+        out.append(plm.full_state_dict())
+    return out
+
+
+def test_config_only_directory_trains_from_the_seeded_init(recipe, run, tmp_path):
+    from transformers import AutoTokenizer
+
+    from memtrain.models import get_config
+
+    vocab = len(AutoTokenizer.from_pretrained(run / "tokenizer", local_files_only=True))
+    config_dir = tmp_path / "config-only"
+    get_config(MODEL, vocab_size=vocab).save_pretrained(config_dir)
+    assert os.listdir(config_dir) == ["config.json"]
+
+    # Trains (and is evaluated: the single-process evaluation model is built from the directory too).
+    out = tmp_path / "run"
+    r = memtrain("train", "--config", recipe, "--out", out, "--set", f"model.name={config_dir}",
+                 "--set", "train.max_steps=1", "--set", "train.epochs=1")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert (out / "checkpoints" / "step_000001" / "model.safetensors").is_file()
+    assert json.loads((out / "eval.json").read_text())["n_evaluated"] == 2 * 2
+
+    # Its initialization is memtrain's seeded one of the named model it describes.
+    from_dir, named = run_ranks(1, _initial_weights, recipe, [str(config_dir), MODEL])[0]
+    assert from_dir.keys() == named.keys()
+    assert all(torch.equal(from_dir[k], named[k]) for k in named)
