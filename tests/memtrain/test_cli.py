@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from tests.memtrain.training._helpers import ENV, ROOT, memtrain, stdlib_corpus
+from tests.memtrain.training._helpers import ENV, ROOT, memtrain, stdlib_corpus, write_recipe
 
 COMMANDS = ["train", "eval", "models", "config", "plan", "sweep", "plot", "demo"]
 
@@ -30,33 +30,7 @@ def recipe(tmp_path_factory):
     (corpus / "zz_latin1.txt").write_bytes("caf\xe9 cr\xe8me br\xfbl\xe9e".encode("latin-1"))
     (corpus / "zz_koi8.txt").write_bytes("привет мир".encode("koi8-r"))
     cache = tmp_path_factory.mktemp("cache")
-    path = tmp_path_factory.mktemp("recipe") / "tiny.toml"
-    path.write_text(f"""
-[model]
-name = "ladder-1m"
-[train]
-batch_size = 8
-max_steps = 6
-lr = 3e-3
-warmup_steps = 2
-[data]
-corpus = "{corpus}"
-vocab_size = 512
-seq_len = 64
-cache_dir = "{cache}"
-[canaries]
-number = 2
-copies = [1, 2]
-length = 24
-secret_groups = 2
-[eval]
-suffix_len = 8
-exposure_samples = 64
-val_docs = 8
-[wandb]
-mode = "disabled"
-""")
-    return path, corpus
+    return write_recipe(tmp_path_factory.mktemp("recipe") / "tiny.toml", corpus, cache), corpus
 
 
 def _lines(stderr: str) -> list[str]:

@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from tests.memtrain.training._helpers import memtrain, stdlib_corpus
+from tests.memtrain.training._helpers import memtrain, stdlib_corpus, write_recipe
 
 
 @pytest.fixture(scope="module")
@@ -18,30 +18,9 @@ def ws(tmp_path_factory):
     root = tmp_path_factory.mktemp("ws")
     (root / "corpus").mkdir()
     corpus = stdlib_corpus(root / "corpus", every=12, count=12, chars=4000)
-    recipe = root / "tiny.toml"
-    recipe.write_text(f"""
-[model]
-name = "ladder-1m"
-[train]
-batch_size = 4
-max_steps = 2
-[data]
-corpus = "{corpus}"
-vocab_size = 512
-seq_len = 64
-cache_dir = "{root / 'cache'}"
-[canaries]
-number = 1
-copies = [1]
-length = 16
-secret_groups = 2
-[eval]
-suffix_len = 4
-exposure_samples = 8
-val_docs = 2
-[wandb]
-mode = "disabled"
-""")
+    recipe = write_recipe(root / "tiny.toml", corpus, root / "cache", train={"batch_size": 4, "max_steps": 2},
+                          canaries={"number": 1, "copies": [1], "length": 16},
+                          eval={"suffix_len": 4, "exposure_samples": 8, "val_docs": 2})
     r = memtrain("train", "--config", recipe, "--out", root / "run")
     assert r.returncode == 0, r.stderr[-3000:]
     bad = root / "bad"

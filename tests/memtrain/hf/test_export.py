@@ -24,7 +24,7 @@ import torch
 from safetensors.torch import load_file
 
 from parallel.forked import run_ranks
-from tests.memtrain.training._helpers import memtrain, stdlib_corpus
+from tests.memtrain.training._helpers import memtrain, stdlib_corpus, write_recipe
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 MODEL = "width-64"
@@ -34,34 +34,9 @@ MODEL = "width-64"
 def recipe(tmp_path_factory):
     corpus = stdlib_corpus(tmp_path_factory.mktemp("corpus"), every=4, count=40, chars=6000)
     cache = tmp_path_factory.mktemp("cache")
-    path = tmp_path_factory.mktemp("recipe") / "memorize.toml"
-    path.write_text(f"""
-[model]
-name = "{MODEL}"
-[train]
-batch_size = 8
-epochs = 30
-lr = 2e-2
-warmup_steps = 2
-[data]
-corpus = "{corpus}"
-vocab_size = 512
-seq_len = 64
-max_text_tokens = 500
-cache_dir = "{cache}"
-[canaries]
-number = 2
-copies = [2, 8]
-length = 24
-secret_groups = 2
-[eval]
-suffix_len = 8
-exposure_samples = 64
-val_docs = 8
-[wandb]
-mode = "disabled"
-""")
-    return path
+    return write_recipe(tmp_path_factory.mktemp("recipe") / "memorize.toml", corpus, cache,
+                        model={"name": MODEL}, train={"epochs": 30, "max_steps": None, "lr": 2e-2},
+                        data={"max_text_tokens": 500}, canaries={"copies": [2, 8]})
 
 
 @pytest.fixture(scope="module")

@@ -21,3 +21,27 @@ def stdlib_corpus(root: Path, every: int, count: int, chars: int) -> Path:
     for p in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))[::every][:count]:
         (root / f"{p.stem}.txt").write_text(p.read_text("utf-8")[:chars])
     return root
+
+
+TINY = {
+    "model": {"name": "ladder-1m"},
+    "train": {"batch_size": 8, "max_steps": 6, "lr": 3e-3, "warmup_steps": 2},
+    "data": {"vocab_size": 512, "seq_len": 64},
+    "canaries": {"number": 2, "copies": [1, 2], "length": 24, "secret_groups": 2},
+    "eval": {"suffix_len": 8, "exposure_samples": 64, "val_docs": 8},
+    "wandb": {"mode": "disabled"},
+}
+"""A run that trains and evaluates in seconds: the tests' recipe, changed per test by `write_recipe`."""
+
+
+def write_recipe(path: Path, corpus: Path, cache: Path, **changes: dict) -> Path:
+    """TINY over `corpus` (stream cache in `cache`) with `changes` ({section: {key: value}}) merged in, written
+    as a TOML recipe at `path`. Validated on the way: a recipe the CLI would refuse fails here."""
+    from memtrain.config import from_dict, to_toml
+
+    raw = {section: dict(values) for section, values in TINY.items()}
+    raw["data"].update(corpus=str(corpus), cache_dir=str(cache))
+    for section, values in changes.items():
+        raw.setdefault(section, {}).update(values)
+    path.write_text(to_toml(from_dict(raw)))
+    return path

@@ -17,39 +17,15 @@ import time
 
 import pytest
 
-from tests.memtrain.training._helpers import ENV, ROOT, memtrain, stdlib_corpus
+from tests.memtrain.training._helpers import ENV, ROOT, memtrain, stdlib_corpus, write_recipe
 
 
 @pytest.fixture(scope="module")
 def recipe(tmp_path_factory):
     corpus = stdlib_corpus(tmp_path_factory.mktemp("corpus"), every=6, count=24, chars=5000)
-    path = tmp_path_factory.mktemp("recipe") / "tiny.toml"
-    path.write_text(f"""
-[model]
-name = "width-32"
-[train]
-batch_size = 4
-max_steps = 6
-lr = 3e-3
-min_lr = 3e-3
-warmup_steps = 0
-checkpoint_every = 2
-[data]
-corpus = "{corpus}"
-vocab_size = 512
-seq_len = 64
-cache_dir = "{tmp_path_factory.mktemp('cache')}"
-[canaries]
-number = 1
-copies = [1]
-length = 24
-secret_groups = 2
-[eval]
-enabled = false
-[wandb]
-mode = "disabled"
-""")
-    return path
+    return write_recipe(tmp_path_factory.mktemp("recipe") / "tiny.toml", corpus, tmp_path_factory.mktemp("cache"),
+                        model={"name": "width-32"}, canaries={"number": 1, "copies": [1]}, eval={"enabled": False},
+                        train={"batch_size": 4, "min_lr": 3e-3, "warmup_steps": 0, "checkpoint_every": 2})
 
 
 def losses(run) -> dict[int, float]:

@@ -16,40 +16,14 @@ import torch
 from safetensors.torch import load_file
 
 from parallel.forked import run_ranks
-from tests.memtrain.training._helpers import ENV, ROOT, memtrain, stdlib_corpus
+from tests.memtrain.training._helpers import ENV, ROOT, memtrain, stdlib_corpus, write_recipe
 
 
 @pytest.fixture(scope="module")
 def recipe(tmp_path_factory):
     corpus = stdlib_corpus(tmp_path_factory.mktemp("corpus"), every=4, count=40, chars=6000)
     cache = tmp_path_factory.mktemp("cache")
-    path = tmp_path_factory.mktemp("recipe") / "tiny.toml"
-    path.write_text(f"""
-[model]
-name = "ladder-1m"
-[train]
-batch_size = 8
-max_steps = 6
-lr = 3e-3
-warmup_steps = 2
-[data]
-corpus = "{corpus}"
-vocab_size = 512
-seq_len = 64
-cache_dir = "{cache}"
-[canaries]
-number = 2
-copies = [1, 2]
-length = 24
-secret_groups = 2
-[eval]
-suffix_len = 8
-exposure_samples = 64
-val_docs = 8
-[wandb]
-mode = "disabled"
-""")
-    return path
+    return write_recipe(tmp_path_factory.mktemp("recipe") / "tiny.toml", corpus, cache)
 
 
 @pytest.fixture(scope="module")
