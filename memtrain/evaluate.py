@@ -50,13 +50,21 @@ def _eval_canaries(canaries, eos: int, copies_seen: dict[str, int]) -> list[ev.C
 
 
 def copies_seen(stream, batch_size: int, steps: int) -> dict[str, int]:
-    """Copies of each canary that training actually reached (max_steps may stop before some)."""
+    """Copies of each canary that training actually reached (max_steps may stop before some, and a pass drops
+    the rows after its last full batch: `dropped_copies`)."""
     per_epoch = len(stream) // batch_size
     out = {}
     for c in stream.canaries:
         out[c.id] = sum(1 for s in range(steps) for p in c.placements
                         if p.seq_index // batch_size == s % per_epoch and p.seq_index < per_epoch * batch_size)
     return out
+
+
+def dropped_copies(stream, batch_size: int) -> list[str]:
+    """Ids of the canary copies in the rows every pass drops (the stream's row count is not a multiple of the
+    batch: a short last batch would not split over the grid), one entry per copy."""
+    trained = len(stream) // batch_size * batch_size
+    return [c.id for c in stream.canaries for p in c.placements if p.seq_index >= trained]
 
 
 def _candidates(c, tok):

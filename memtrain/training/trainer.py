@@ -27,11 +27,12 @@ import parallel
 from memtrain.config import RunConfig, to_toml
 from memtrain.config import load as load_config
 from memtrain.data import TrainStream, build_stream
-from memtrain.evaluate import pass_scores
+from memtrain.evaluate import dropped_copies, pass_scores
 from memtrain.files import replace_dir, write_atomic
 from memtrain.hf import ParallelLM, parallelize
 from memtrain.losses import keep_mask
 from memtrain.models import build_model
+from memtrain.progress import note
 from memtrain.training import checkpoint, run_dir
 from memtrain.training.perf import matmul_peak_flops
 from memtrain.training.step import autocast_dtype, build_optimizer, build_schedule, peak_lr, train_step
@@ -178,6 +179,11 @@ def train(cfg: RunConfig, out_dir: str | Path, *, resume: bool = False, force: b
     if steps_per_epoch < 1:
         raise ValueError(f"the stream has {len(stream)} sequences, fewer than train.batch_size={B}: "
                          "use a smaller batch or a larger corpus")
+    dropped = dropped_copies(stream, B)
+    if dropped:
+        note(f"warning: {len(dropped)} canary copies ({', '.join(sorted(set(dropped))[:3])}...) sit in the last "
+             f"{len(stream) % B} of the stream's {len(stream)} rows, which every pass drops (not a multiple of "
+             f"train.batch_size={B}): they are never trained, and evaluation counts only the copies seen")
     total = steps_per_epoch * t.epochs
     if t.max_steps is not None:
         total = min(total, t.max_steps)
