@@ -8,14 +8,13 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import os
 import shutil
 import threading
 import time
 from pathlib import Path
 
 from memtrain.config import RunConfig, apply_overrides, from_dict, to_toml
-from memtrain.files import file_lock, replace_dir
+from memtrain.files import atomic_dir, file_lock
 from memtrain.progress import quiet
 
 from .launch import Runner, train_tail
@@ -43,10 +42,8 @@ def _saved_tokenizer(tok, root: Path) -> Path:
 
     folder = root / "tokenizers" / tokenizer_fingerprint(tok)[:20]
     if not (folder / "tokenizer.json").is_file():
-        tmp = folder.with_name(f".{folder.name}.{os.getpid()}.tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
-        tok.save_pretrained(str(tmp))
-        replace_dir(tmp, folder)  # another sweep may have saved the same files meanwhile
+        with atomic_dir(folder) as tmp:  # another sweep may have saved the same files meanwhile
+            tok.save_pretrained(str(tmp))
     return folder
 
 
@@ -70,14 +67,12 @@ def _disjoint_corpus(data_cfg, ft_corpus, max_docs: int | None, root: Path) -> P
     key = hashlib.sha256(f"{source.fingerprint}|{ft_corpus.fingerprint}|{max_docs}".encode()).hexdigest()[:20]
     folder = root / "corpora" / key
     if not (folder / "complete").is_file():
-        tmp = folder.with_name(f".{key}.{os.getpid()}.tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
-        (tmp / "docs").mkdir(parents=True)
-        width = len(str(len(rest)))
-        for i, d in enumerate(rest):
-            (tmp / "docs" / f"{i:0{width}d}.txt").write_text(d.text, encoding="utf-8")
-        (tmp / "complete").write_text(json.dumps({"source": data_cfg.corpus, "docs": len(rest)}))
-        replace_dir(tmp, folder)
+        with atomic_dir(folder) as tmp:
+            (tmp / "docs").mkdir()
+            width = len(str(len(rest)))
+            for i, d in enumerate(rest):
+                (tmp / "docs" / f"{i:0{width}d}.txt").write_text(d.text, encoding="utf-8")
+            (tmp / "complete").write_text(json.dumps({"source": data_cfg.corpus, "docs": len(rest)}))
     return folder / "docs"
 
 

@@ -54,6 +54,12 @@ def _cell(v, fmt="{:.3f}") -> str:
     return str(v).replace("|", "\\|")
 
 
+def _table(header: list[str], align: str, rows) -> list[str]:
+    """Markdown table lines; align has one letter per column: 'l' (labels) or 'r' (numbers)."""
+    return ["| " + " | ".join(header) + " |", "|" + "".join("---|" if a == "l" else "---:|" for a in align),
+            *("| " + " | ".join(row) + " |" for row in rows)]
+
+
 def _rate(pt) -> str:
     """'rate [lo, hi] (k/n)' of a pooled point (..., rate, lo, hi, ..., k, n)."""
     rate, lo, hi, k, n = pt
@@ -88,13 +94,14 @@ def _passes_section(rows: list[dict], kind: str | None) -> list[str]:
     for loss, by_model in data.items():
         n_pass = max(len(c["passes"]) for c in by_model.values())
         show = sorted({1, max(1, n_pass // 4), max(1, n_pass // 2), max(1, 3 * n_pass // 4), n_pass})
-        lines += [f"**{loss}**", "", "| model | params | passes to 50% | " + " | ".join(f"pass {p}" for p in show)
-                  + " |", "|---|---:|---:|" + "---:|" * len(show)]
+        table = []
         for model, c in by_model.items():
             at = {pt[0]: pt for pt in c["passes"]}
-            cells = [_rate((at[p][1], at[p][2], at[p][3], at[p][4], at[p][5])) if p in at else "-" for p in show]
-            lines.append(f"| {model} | {human(c['params'] or 0)} | {_cell(passes_to_threshold(c), '{:.1f}')} | "
-                         + " | ".join(cells) + " |")
+            table.append([model, human(c["params"] or 0), _cell(passes_to_threshold(c), "{:.1f}"),
+                          *(_rate((at[p][1], at[p][2], at[p][3], at[p][4], at[p][5])) if p in at else "-"
+                            for p in show)])
+        lines += [f"**{loss}**", "", *_table(["model", "params", "passes to 50%", *(f"pass {p}" for p in show)],
+                                             "lrr" + "r" * len(show), table)]
         fit = threshold_fit(by_model)
         if fit["fit"] is not None:
             slope, _ = fit["fit"]
@@ -112,15 +119,14 @@ def _base_section(rows: list[dict]) -> list[str]:
     if not bases:
         return []
     lines = ["## Base models", "", "Pretrained once per size on text the fine-tuning never sees, cached per machine. "
-             "Unigram entropy: the loss of the best model that ignores context.", "",
-             "| model | params | steps | seconds | val loss | unigram entropy | below unigram |",
-             "|---|---:|---:|---:|---:|---:|---:|"]
+             "Unigram entropy: the loss of the best model that ignores context.", ""]
+    table = []
     for b in bases:
         gap = b["unigram_entropy"] - b["val_loss"] if f(b.get("val_loss")) and f(b.get("unigram_entropy")) else None
-        lines.append(f"| {b['model']} | {human(b['params'] or 0)} | {_cell(b.get('steps'))} | "
-                     f"{_cell(f(b.get('seconds')), '{:.0f}')} | {_cell(f(b.get('val_loss')))} | "
-                     f"{_cell(f(b.get('unigram_entropy')))} | {_cell(gap)} |")
-    return lines + [""]
+        table.append([b["model"], human(b["params"] or 0), _cell(b.get("steps")), _cell(f(b.get("seconds")), "{:.0f}"),
+                      _cell(f(b.get("val_loss"))), _cell(f(b.get("unigram_entropy"))), _cell(gap)])
+    header = ["model", "params", "steps", "seconds", "val loss", "unigram entropy", "below unigram"]
+    return lines + _table(header, "lrrrrrr", table) + [""]
 
 
 def _cost_section(rows: list[dict]) -> list[str]:
@@ -129,14 +135,13 @@ def _cost_section(rows: list[dict]) -> list[str]:
         return []
     lines = ["## The Goldfish loss's validation cost", "",
              "Validation loss after the last pass; the standard run read at the same number of supervised tokens "
-             "(its per-pass curve at kept fraction x passes) and at the same number of steps.", "",
-             "| model | loss | seed | passes | kept | goldfish val | standard, equal supervised tokens | "
-             "standard, equal steps |", "|---|---|---:|---:|---:|---:|---:|---:|"]
-    for c in cost:
-        lines.append(f"| {c['model']} | {c['loss']} | {_cell(c['seed'])} | {c['passes']} | "
-                     f"{c['kept_fraction']:.3f} | {_cell(c['goldfish_val_loss'])} | "
-                     f"{_cell(c['standard_same_supervised_tokens'])} | {_cell(c['standard_same_steps'])} |")
-    return lines + [""]
+             "(its per-pass curve at kept fraction x passes) and at the same number of steps.", ""]
+    table = [[c["model"], c["loss"], _cell(c["seed"]), str(c["passes"]), f"{c['kept_fraction']:.3f}",
+              _cell(c["goldfish_val_loss"]), _cell(c["standard_same_supervised_tokens"]),
+              _cell(c["standard_same_steps"])] for c in cost]
+    header = ["model", "loss", "seed", "passes", "kept", "goldfish val", "standard, equal supervised tokens",
+              "standard, equal steps"]
+    return lines + _table(header, "llrrrrrr", table) + [""]
 
 
 def _lr_section(rows: list[dict]) -> list[str]:
@@ -144,13 +149,13 @@ def _lr_section(rows: list[dict]) -> list[str]:
     if not data:
         return []
     lines = ["## Learning-rate rule", "", "Suffix token accuracy after the last pass per learning-rate scale around "
-             "the rule; the rule tracks a size's best learning rate within 2x when the best scale is in [0.5, 2].",
-             "", "| model | params | best scale | best lr | within 2x |", "|---|---:|---:|---:|---|"]
+             "the rule; the rule tracks a size's best learning rate within 2x when the best scale is in [0.5, 2].", ""]
+    table = []
     for model, d in data.items():
         best = max(d["points"], key=lambda p: p[2])
-        lines.append(f"| {model} | {human(d['params'] or 0)} | {best[0]:g} | {_cell(best[1], '{:.2e}')} | "
-                     f"{'yes' if 0.5 <= best[0] <= 2 else 'NO'} |")
-    return lines + [""]
+        table.append([model, human(d["params"] or 0), f"{best[0]:g}", _cell(best[1], "{:.2e}"),
+                      "yes" if 0.5 <= best[0] <= 2 else "NO"])
+    return lines + _table(["model", "params", "best scale", "best lr", "within 2x"], "lrrrl", table) + [""]
 
 
 def write_markdown(rows: list[dict], figs: list[Path], out: Path) -> Path:
@@ -166,39 +171,35 @@ def write_markdown(rows: list[dict], figs: list[Path], out: Path) -> Path:
     kinds = sorted({key.split("/")[0] for r in ok for key in ((r.get("eval") or {}).get("cells") or {})})
     for kind in [None, *kinds] if len(kinds) > 1 else [None]:
         lines += _passes_section(rows, kind)
-    lines += ["## Runs", "",
-              "| point | model | params | loss | seed | lr | exact match (n) | ROUGE-L (ids / text) | exposure | "
-              "MIA AUC | val loss | train loss | status |",
-              "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
-    for t in table_rows(rows):
-        params = human(t["params"]) if isinstance(t["params"], (int, float)) else "-"
-        lines.append(f"| {_cell(t['point'])} | {_cell(t['model'])} | {params} | {_cell(t['loss'])} | "
-                     f"{_cell(t['seed'])} | {_cell(t['lr'], '{:.2e}')} | {_cell(t['exact_match'])} ({_cell(t['n'])}) "
-                     f"| {_cell(t['rougeL'])} / {_cell(t['rougeL_text'])} | {_cell(t['exposure'], '{:.2f}')} | "
-                     f"{_cell(t['mia_auc'])} | {_cell(t['val_loss'])} | {_cell(t['train_loss'])} | "
-                     f"{_cell(t['status'])} |")
+    runs = [[_cell(t["point"]), _cell(t["model"]), human(t["params"]) if isinstance(t["params"], (int, float)) else "-",
+             _cell(t["loss"]), _cell(t["seed"]), _cell(t["lr"], "{:.2e}"),
+             f"{_cell(t['exact_match'])} ({_cell(t['n'])})", f"{_cell(t['rougeL'])} / {_cell(t['rougeL_text'])}",
+             _cell(t["exposure"], "{:.2f}"), _cell(t["mia_auc"]), _cell(t["val_loss"]), _cell(t["train_loss"]),
+             _cell(t["status"])] for t in table_rows(rows)]
+    lines += ["## Runs", "", *_table(["point", "model", "params", "loss", "seed", "lr", "exact match (n)",
+                                      "ROUGE-L (ids / text)", "exposure", "MIA AUC", "val loss", "train loss",
+                                      "status"], "llrlrrrrrrrrl", runs)]
     copies = copies_of(rows)
     if copies:
-        lines += ["", "## Exact match by copies seen", "",
-                  "Pooled over seeds: rate [95% Wilson interval] (k/n).", "",
-                  "| loss | model | " + " | ".join(f"{c}x" for c in copies) + " |", "|---|---|" + "---:|" * len(copies)]
         by_block = {c: final_exact(rows, block=c) for c in copies}
+        table = []
         for loss, pts in final_exact(rows).items():
             for p in pts:
                 cells = []
                 for c in copies:
                     hit = [q for q in by_block[c].get(loss, []) if q[4] == p[4]]
                     cells.append(_rate((hit[0][1], hit[0][2], hit[0][3], hit[0][5], hit[0][6])) if hit else "-")
-                lines.append(f"| {loss} | {p[4]} | " + " | ".join(cells) + " |")
+                table.append([loss, p[4], *cells])
+        lines += ["", "## Exact match by copies seen", "", "Pooled over seeds: rate [95% Wilson interval] (k/n).", "",
+                  *_table(["loss", "model", *(f"{c}x" for c in copies)], "ll" + "r" * len(copies), table)]
     lines += ["", *_base_section(rows), *_cost_section(rows), *_lr_section(rows)]
     in_row = [r for r in ok if (r.get("eval") or {}).get("in_row")]
     if in_row:
         lines += ["## Canaries buried mid-row (no document attention)", "",
                   "Exact match from the canary's own prefix vs from its recorded row context.", "",
-                  "| point | own prefix | row context |", "|---|---:|---:|"]
-        lines += [f"| {r['point']} | {_cell(ev(r, 'exact_match_rate'))} | "
-                  f"{_cell(ev(r, 'in_row', 'exact_match_rate'))} |" for r in in_row]
-        lines.append("")
+                  *_table(["point", "own prefix", "row context"], "lrr",
+                          [[r["point"], _cell(ev(r, "exact_match_rate")), _cell(ev(r, "in_row", "exact_match_rate"))]
+                           for r in in_row]), ""]
     lines += ["## Anchors", "", *[f"- {a}" for a in ANCHORS], ""]
     if failed:
         lines += ["## Failures", ""]

@@ -2,8 +2,9 @@
 
 A reader (another rank, another run, a resumed sweep) sees the old file or the whole new one, never half a
 file, and a crash mid-write leaves the previous version intact. The temporary name carries the pid, so two
-processes writing the same path never share one. `file_lock` serializes the builders of one cache entry
-(two sweeps, or two runs of one sweep, needing the same stream or base model) across processes and threads.
+processes writing the same path never share one; `atomic_dir` builds a whole directory that way.
+`file_lock` serializes the builders of one cache entry (two sweeps, or two runs of one sweep, needing the
+same stream or base model) across processes and threads.
 """
 
 from __future__ import annotations
@@ -37,6 +38,26 @@ def replace_dir(tmp: str | os.PathLike, final: str | os.PathLike) -> Path:
     os.replace(tmp, final)
     shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+@contextlib.contextmanager
+def atomic_dir(final: str | os.PathLike):
+    """Build a directory in an empty temporary sibling (yielded) that replaces `final` when the block ends;
+    if the block raises, the temporary is removed and `final` stays as it was.
+
+        with atomic_dir(run / "tokenizer") as tmp:
+            tok.save_pretrained(tmp)
+    """
+    final = Path(final)
+    tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    replace_dir(tmp, final)
 
 
 @contextlib.contextmanager

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from pathlib import Path
 
 from safetensors.torch import load_file, save_file
@@ -32,7 +31,7 @@ from transformers import AutoTokenizer, GenerationConfig
 
 from memtrain.config import load as load_config
 from memtrain.data.tokenizer import vocab_size
-from memtrain.files import replace_dir
+from memtrain.files import atomic_dir
 from memtrain.hf.parallelize import hf_keys
 from memtrain.models import build_model
 from memtrain.training.checkpoint import latest
@@ -62,10 +61,7 @@ def export(source: str | os.PathLike, out: str | os.PathLike) -> tuple[Path, Pat
     config.update(ids)
     generation = GenerationConfig(do_sample=False, **ids)
 
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
+    with atomic_dir(out) as tmp:
         # format=pt as save_pretrained writes it: some loaders check it.
         save_file({k: v.contiguous() for k, v in weights.items()}, str(tmp / "model.safetensors"),
                   metadata={"format": "pt"})
@@ -79,9 +75,6 @@ def export(source: str | os.PathLike, out: str | os.PathLike) -> tuple[Path, Pat
         if foreign:
             raise FileExistsError(f"--out {str(out)!r} holds files an export does not write ({', '.join(foreign[:3])})"
                                   ": name a new or empty directory")
-        replace_dir(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return ckpt, out
 
 

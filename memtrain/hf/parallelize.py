@@ -27,14 +27,13 @@ from __future__ import annotations
 
 import copy
 import os
-import shutil
 from pathlib import Path
 
 import torch
 from torch import nn
 
 import parallel
-from memtrain.files import replace_dir
+from memtrain.files import atomic_dir
 from memtrain.hf.architectures import ARCHITECTURES, Architecture, architecture_of
 from memtrain.hf.slots import Builder, Source
 from parallel import comm
@@ -296,14 +295,11 @@ def export_hf(plm: ParallelLM, hf_config=None, out_dir: str | os.PathLike = "mod
     if plm.grid.rank == 0:
         config = copy.deepcopy(hf_config or plm.config)
         config.architectures = [type(plm.model).__name__]
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
-        save_file({k: v.contiguous().cpu() for k, v in state.items()}, str(tmp / "model.safetensors"),
-                  metadata={"format": "pt"})
-        config.save_pretrained(tmp)
-        result = replace_dir(tmp, out)
+        with atomic_dir(out) as tmp:
+            save_file({k: v.contiguous().cpu() for k, v in state.items()}, str(tmp / "model.safetensors"),
+                      metadata={"format": "pt"})
+            config.save_pretrained(tmp)
+        result = out
     flag = torch.zeros(1, device=next(plm.parameters()).device)
     comm.all_reduce(flag, plm.grid, parallel.AXES)  # barrier: the directory exists when anyone returns
     return result

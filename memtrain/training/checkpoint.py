@@ -20,7 +20,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import parallel
-from memtrain.files import replace_dir
+from memtrain.files import atomic_dir
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
@@ -78,16 +78,14 @@ def save(run_dir: Path, plm, opt, sched, step: int, extra: dict) -> Path | None:
     ckpt_root = run_dir / "checkpoints"
     ckpt_root.mkdir(parents=True, exist_ok=True)
     final = ckpt_root / f"step_{step:06d}"
-    for stale in ckpt_root.glob(".tmp_step_*"):  # saves cut short by a kill (a live run holds the run's lock)
+    for stale in ckpt_root.glob(".step_*.tmp-*"):  # saves cut short by a kill (a live run holds the run's lock)
         shutil.rmtree(stale, ignore_errors=True)
-    tmp = ckpt_root / f".tmp_step_{step:06d}_{os.getpid()}"
-    tmp.mkdir()
-    save_file(model, str(tmp / "model.safetensors"))
-    save_file(moments, str(tmp / "optimizer.safetensors"))
-    state = dict(extra, step=step, scheduler=sched.state_dict(), rng=torch.get_rng_state().tolist(),
-                 grid={a: getattr(grid, a) for a in parallel.AXES})
-    (tmp / "state.json").write_text(json.dumps(state))
-    replace_dir(tmp, final)
+    with atomic_dir(final) as tmp:
+        save_file(model, str(tmp / "model.safetensors"))
+        save_file(moments, str(tmp / "optimizer.safetensors"))
+        state = dict(extra, step=step, scheduler=sched.state_dict(), rng=torch.get_rng_state().tolist(),
+                     grid={a: getattr(grid, a) for a in parallel.AXES})
+        (tmp / "state.json").write_text(json.dumps(state))
     latest_tmp = ckpt_root / f".latest_{os.getpid()}"
     latest_tmp.write_text(final.name)
     os.replace(latest_tmp, ckpt_root / "latest")

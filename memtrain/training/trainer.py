@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import resource
-import shutil
 import statistics
 import time
 import warnings
@@ -28,7 +27,7 @@ from memtrain.config import RunConfig, to_toml
 from memtrain.config import load as load_config
 from memtrain.data import TrainStream, build_stream
 from memtrain.evaluate import dropped_copies, pass_scores
-from memtrain.files import replace_dir, write_atomic
+from memtrain.files import atomic_dir, write_atomic
 from memtrain.hf import ParallelLM, parallelize
 from memtrain.losses import keep_mask
 from memtrain.models import build_model
@@ -75,15 +74,6 @@ def _truncate_jsonl(path: Path, last_step: int) -> None:
         except (ValueError, KeyError, TypeError):
             warnings.warn(f"{path}:{n} is not a complete record (a write cut short by a kill?): dropped", stacklevel=2)
     write_atomic(path, "".join(line + "\n" for line in kept))
-
-
-def _save_tokenizer(tok, path: Path) -> None:
-    """The run's tokenizer in HF format: `memtrain export` then needs neither the cache nor the corpus to
-    rebuild it. Written into a temporary sibling and renamed into place, like a checkpoint."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tok.save_pretrained(tmp)
-    replace_dir(tmp, path)
 
 
 def _memory_mb(device: torch.device) -> float:
@@ -216,7 +206,8 @@ def train(cfg: RunConfig, out_dir: str | Path, *, resume: bool = False, force: b
             "stream_key": stream.key, "trained": trained, "grid": {a: getattr(grid, a) for a in parallel.AXES},
             "mode": plm.mode, "params": plm.num_params(), "hidden_size": plm.config.hidden_size,
             "lr": peak_lr(cfg, plm.config.hidden_size), "precision": "bf16" if amp else "fp32"}))
-        _save_tokenizer(stream.tokenizer, out / "tokenizer")
+        with atomic_dir(out / "tokenizer") as tmp:  # `memtrain export` then needs neither cache nor corpus
+            stream.tokenizer.save_pretrained(tmp)
 
     peak = matmul_peak_flops(device, amp or torch.float32)
     flops_per_token = 6 * plm.num_params()

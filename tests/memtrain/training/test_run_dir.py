@@ -54,7 +54,7 @@ def test_dangling_latest_falls_back_to_the_newest_complete_checkpoint(recipe, si
     out = tmp_path / "run"
     shutil.copytree(six_steps, out, ignore=shutil.ignore_patterns(".lock"))
     shutil.rmtree(out / "checkpoints" / "step_000006")  # `latest` names a directory a crash removed
-    (out / "checkpoints" / ".tmp_step_000006").mkdir()  # and a save cut short left its temporary
+    (out / "checkpoints" / ".step_000006.tmp-999").mkdir()  # and a save cut short left its temporary
     r = memtrain("train", "--config", recipe, "--out", out, "--resume")
     assert r.returncode == 0, r.stderr[-3000:]
     assert losses(out) == losses(six_steps)
