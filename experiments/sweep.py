@@ -155,8 +155,8 @@ def _run_points(spec: Spec, points: list[Point], out: Path, *, overrides, resume
     command = default_command(launcher, nproc, runner)
     run_fn = run_fn or subprocess_runner
     bases = BaseModels(spec.pretrain, command, run_fn, log=log)
-    counts = {"ok": 0, "failed": 0, "started": 0}
-    failed_ids: list[str] = []
+    launched: list[str] = []
+    failed: list[str] = []
     lock = threading.Lock()
 
     def run_point(p: Point) -> None:
@@ -171,8 +171,8 @@ def _run_points(spec: Spec, points: list[Point], out: Path, *, overrides, resume
             started, t0 = now(), time.time()  # the run's own time, without building its base model
             resume_run = _prepare_run_dir(run_dir, p, resume)
             with lock:
-                counts["started"] += 1
-                i = counts["started"]
+                launched.append(p.id)
+                i = len(launched)
             log(f"[{i}/{len(todo)}] {p.id}: {'resuming' if resume_run else 'training'} in {run_dir}")
             rc, err = run_fn(command + train_tail(run_dir / "config.toml", run_dir, resume_run), run_dir)
             if rc != 0:
@@ -184,9 +184,8 @@ def _run_points(spec: Spec, points: list[Point], out: Path, *, overrides, resume
         record = make_record(spec.name, p, run_dir, base_dir, status, error, started, time.time() - t0)
         with lock:
             append_result(results, record)
-            counts["ok" if record["status"] == "ok" else "failed"] += 1
             if record["status"] != "ok":
-                failed_ids.append(p.id)
+                failed.append(p.id)
         if record["status"] == "ok":
             if not spec.keep_checkpoints:
                 shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
@@ -208,9 +207,9 @@ def _run_points(spec: Spec, points: list[Point], out: Path, *, overrides, resume
                          for p in order if not p.cfg.model.init}
                 list(pool.map(lambda p: _build_base(bases, p), first.values()))
             list(pool.map(run_point, order))
-    ok, failed = counts["ok"], counts["failed"]
-    log(f"sweep {spec.name}: {ok} ok, {failed} failed, {skipped} skipped; results: {results}")
-    summary = {"ok": ok, "failed": failed, "failed_ids": sorted(failed_ids), "skipped": skipped, "results": results,
+    ok = len(todo) - len(failed)
+    log(f"sweep {spec.name}: {ok} ok, {len(failed)} failed, {skipped} skipped; results: {results}")
+    summary = {"ok": ok, "failed": len(failed), "failed_ids": sorted(failed), "skipped": skipped, "results": results,
                "out": out}
     if report and results.is_file():
         summary["report"] = _report(out, points[0].cfg if points else None, log)
