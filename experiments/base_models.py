@@ -195,7 +195,7 @@ class BaseModels:
                 msg = f"pretraining {cfg.model.name} failed (exit {rc}): {err or 'no stderr'} [log: {folder}]"
                 self._done[key] = (None, msg)
                 raise BaseModelError(msg)
-            for opt in (folder / "checkpoints").glob("*/optimizer.safetensors"):
+            for opt in (folder / "checkpoints").glob("*/optimizer*.safetensors"):
                 opt.unlink()  # fine-tuning starts a fresh optimizer: keep only the weights (1/3 of the bytes)
             scores = json.loads((folder / "eval.json").read_text())
             (folder / "base.json").write_text(json.dumps({

@@ -288,6 +288,7 @@ def evaluate_run(run_dir: Path, checkpoint_path: str | None = None) -> dict:
                          "evaluate with the data and tokenizer it was trained with")
     from memtrain.training import checkpoint  # not at the top: the trainer imports this module
 
-    weights = checkpoint.read_weights(Path(checkpoint_path) if checkpoint_path else run_dir)
+    with checkpoint.read_weights(Path(checkpoint_path) if checkpoint_path else run_dir) as src:
+        weights = {k: src.read(k) for k in src.keys()}  # one process evaluates the whole model
     model = _single_process_model(cfg, stream, weights)
     return evaluate(model, stream, cfg, run_dir, info["trained"]["steps"])

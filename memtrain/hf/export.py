@@ -15,7 +15,8 @@ equal to EOS it cannot infer one, the opening EOS looking like padding.
 
 What: RUN_OR_CHECKPOINT is a run directory of `memtrain train` (its newest complete checkpoint) or one of
 its checkpoint directories. DIR gets config.json (the model config as the trainer built it),
-model.safetensors (the checkpoint's full tensors under HF names, read and written with safetensors only),
+model.safetensors (the checkpoint's full tensors under HF names, read and written with safetensors only; written
+one tensor group at a time, in HF's model-0000i-of-0000n files with an index when over 5 GiB),
 generation_config.json (greedy) and the run's tokenizer. It is written into a temporary sibling and
 renamed into place, so DIR never holds a half-written model.
 """
@@ -23,10 +24,11 @@ renamed into place, so DIR never holds a half-written model.
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from transformers import AutoTokenizer, GenerationConfig
 
 from memtrain.config import load as load_config
@@ -34,12 +36,12 @@ from memtrain.data.tokenizer import vocab_size
 from memtrain.files import atomic_dir
 from memtrain.hf.parallelize import hf_keys
 from memtrain.models import build_model
-from memtrain.training.checkpoint import latest
+from memtrain.training.checkpoint import latest, model_source
 
 _HINT = "pass the --out directory of `memtrain train` or one of its checkpoints/step_* directories"
 
 
-def export(source: str | os.PathLike, out: str | os.PathLike) -> tuple[Path, Path]:
+def export(source: str | os.PathLike, out: str | os.PathLike, max_shard_bytes: int = 5 * 2**30) -> tuple[Path, Path]:
     """Write the model of a run or checkpoint to `out`; returns (the checkpoint exported, out)."""
     run, ckpt = resolve(Path(source))
     out = Path(out)
@@ -51,23 +53,21 @@ def export(source: str | os.PathLike, out: str | os.PathLike) -> tuple[Path, Pat
     # meta: only its config and its state-dict names and shapes are needed.
     model = build_model(cfg.model.name, vocab_size=vocab_size(tok), device="meta",
                         trust_remote_code=cfg.model.trust_remote_code)
-    weights = _weights(ckpt, model, cfg.model.name)
+    src, keys = _open_checked(ckpt, model, cfg.model.name)
 
     config = model.config
     config.architectures = [type(model).__name__]
-    config.dtype = next(iter(weights.values())).dtype  # from_pretrained then loads the tensors as they are
     # The tokenizer's ids, not the config's defaults (LlamaConfig's BOS 1 and EOS 2 mean nothing to a local BPE).
     ids = dict(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
     config.update(ids)
     generation = GenerationConfig(do_sample=False, **ids)
 
-    with atomic_dir(out) as tmp:
-        # format=pt as save_pretrained writes it: some loaders check it.
-        save_file({k: v.contiguous() for k, v in weights.items()}, str(tmp / "model.safetensors"),
-                  metadata={"format": "pt"})
+    with src, atomic_dir(out) as tmp:
+        config.dtype = _write_weights(src, keys, tmp, max_shard_bytes)  # from_pretrained loads them as they are
         config.save_pretrained(tmp)
-        # safetensors creates its file owner-only (0600): give it the mode of the files beside it.
-        os.chmod(tmp / "model.safetensors", (tmp / "config.json").stat().st_mode)
+        # safetensors creates its files owner-only (0600): give them the mode of the files beside them.
+        for f in tmp.glob("*.safetensors"):
+            os.chmod(f, (tmp / "config.json").stat().st_mode)
         generation.save_pretrained(tmp)
         tok.save_pretrained(tmp)
         # Only an earlier export is replaced: any other file in `out` would be deleted along with it.
@@ -116,20 +116,41 @@ def _tokenizer(run: Path, cfg):
     return tok
 
 
-def _weights(ckpt: Path, model, name: str) -> dict:
-    """The checkpoint's tensors, checked against the model's state-dict names and shapes (tied copies aside)."""
-    path = ckpt / "model.safetensors"
-    if not path.is_file():
-        raise FileNotFoundError(f"checkpoint {str(ckpt)!r} has no model.safetensors: export another checkpoint")
-    try:
-        weights = load_file(str(path))
-    except Exception as e:  # safetensors raises its own error types for corrupt files
-        raise ValueError(f"checkpoint {str(ckpt)!r} is corrupt ({type(e).__name__}: {e}): export an earlier "
-                         "checkpoint or re-run training") from None
+def _open_checked(ckpt: Path, model, name: str):
+    """The checkpoint's tensors (opened lazily), checked against the model's state-dict names and shapes (tied
+    copies aside)."""
+    src = model_source(ckpt)
     keys, _ = hf_keys(model)
     shapes = model.state_dict()
-    wrong = sorted(set(keys) ^ set(weights)) or [k for k in keys if weights[k].shape != shapes[k].shape]
+    wrong = sorted(set(keys) ^ set(src.keys())) or [k for k in keys if src.shape(k) != tuple(shapes[k].shape)]
     if wrong:
+        src.close()
         raise ValueError(f"checkpoint {str(ckpt)!r} does not fit model {name!r} ({', '.join(wrong[:3])}): export "
                          "with the config it was trained with")
-    return weights
+    return src, keys
+
+
+def _write_weights(src, keys: list[str], out: Path, max_shard_bytes: int):
+    """HF's layout: model.safetensors, or model-0000i-of-0000n.safetensors files of at most `max_shard_bytes`
+    with model.safetensors.index.json. One file's tensors are in memory at a time, never the whole model."""
+    sizes = {k: math.prod(src.shape(k)) * src.dtype(k).itemsize for k in keys}
+    groups, size = [[]], 0
+    for k in keys:
+        if groups[-1] and size + sizes[k] > max_shard_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(k)
+        size += sizes[k]
+    names = (["model.safetensors"] if len(groups) == 1 else
+             [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))])
+    dtype = None
+    for name, group in zip(names, groups):
+        tensors = {k: src.read(k).contiguous() for k in group}
+        dtype = dtype or next(iter(tensors.values())).dtype
+        save_file(tensors, str(out / name), metadata={"format": "pt"})  # format=pt as save_pretrained writes it
+        del tensors
+    if len(groups) > 1:
+        index = {"metadata": {"total_size": sum(sizes.values())},
+                 "weight_map": {k: name for name, group in zip(names, groups) for k in group}}
+        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    return dtype

@@ -132,8 +132,9 @@ class ParallelLM(nn.Module):
 
     @torch.no_grad()
     def load_hf_state_dict(self, state_dict, strict: bool = True) -> None:
-        """Load full HF tensors (a dict, a .safetensors file or a directory of them) into the shards."""
-        src = Source(state_dict)
+        """Load full HF tensors into the shards: a dict, a .safetensors file or a directory of them, or an open
+        Source (a checkpoint's). Each rank reads only the slices its shards hold."""
+        src = state_dict if isinstance(state_dict, Source) else Source(state_dict)
         try:
             avail = set(src.keys())
             found, missing = {}, []
@@ -157,7 +158,22 @@ class ParallelLM(nn.Module):
                                      f"{list(slot.full_shape)}: the checkpoint belongs to another configuration")
                 slot.load(src, hit)
         finally:
-            src.close()
+            if src is not state_dict:
+                src.close()
+
+    def shard_pieces(self, only=None) -> tuple[dict[str, torch.Tensor], dict[str, list[int]]]:
+        """No communication: this rank's share of the HF state dict as pieces named '<HF name>:<offsets>' (a
+        replicated value is written by one rank only), and the full shape of every HF tensor. `only` keeps the
+        tensors for which only(tensor) is true. Together, the pieces of all ranks cover every tensor once."""
+        pieces, shapes = {}, {}
+        for key in self._keys:
+            slot = self._slots[key]
+            if only is not None and not only(slot.tensor):
+                continue
+            shapes[key] = list(slot.full_shape)
+            for offsets, value in slot.pieces():
+                pieces[f"{key}:{','.join(map(str, offsets))}"] = value
+        return pieces, shapes
 
     def full_state_dict(self, rank0_only: bool = False) -> dict[str, torch.Tensor]:
         """Collective over the grid: full tensors under HF names and layouts (every rank, or rank 0)."""

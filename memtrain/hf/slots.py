@@ -63,6 +63,12 @@ class Source:
     def close(self):
         self._stack.close()
 
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
 
 def _runs(idx: torch.Tensor) -> list[tuple[int, int]]:
     """Contiguous runs [a, b) of an index list, so a permuted read is a few slices, not one per row."""
@@ -149,6 +155,38 @@ class MatrixSlot:
         w = self.layer.weight
         w.copy_(self._block(fetch).to(device=w.device, dtype=w.dtype))
 
+    @property
+    def tensor(self) -> torch.Tensor:
+        return self.layer.weight
+
+    def pieces(self) -> list[tuple[tuple[int, ...], torch.Tensor]]:
+        """This rank's values as (offset into the HF tensor, rectangle) pairs, with no communication; none on a
+        data-parallel replica. The Z split of a flattened block may start and end mid-row, and a reordered
+        projection sends runs of engine rows to runs of HF rows: so a shard is a few full-row rectangles and
+        at most two partial rows, each a view of the shard (a copy only for GPT-2's transposed Conv1D)."""
+        lay, grid = self.layer.layout, self.layer.grid
+        if grid.coords["data"]:
+            return []
+        w = self.layer.weight.detach()
+        bc = lay.block_cols(grid)
+        r0, c0 = lay.block_origin(grid)
+        start, end = lay.local_range(grid)
+        out, pos = [], start
+        while pos < end:
+            r, c = divmod(pos, bc)
+            k, n = ((end - pos) // bc, bc) if c == 0 and end - pos >= bc else (1, min(bc - c, end - pos))
+            rows = torch.arange(r0 + r, r0 + r + k)
+            rows = rows[rows < self.valid]  # vocabulary padding is not part of the HF tensor
+            values = w[pos - start:pos - start + k * n].view(k, n)
+            hf = rows if self.hf_rows is None else self.hf_rows[rows]
+            i = 0
+            for a, b in _runs(hf):
+                block = values[i:i + b - a]
+                out.append(((c0 + c, a), block.t().contiguous()) if self.conv1d else ((a, c0 + c), block))
+                i += b - a
+            pos += k * n
+        return out
+
     def save(self) -> torch.Tensor:
         full = self.layer.full_weight()[:self.valid]
         if self.hf_rows is not None:
@@ -205,6 +243,21 @@ class PartSlot:
     def load(self, src: Source, key: str) -> None:
         t = self.tensor
         t.copy_(self._local(src.read(key)).to(device=t.device, dtype=t.dtype))
+
+    def pieces(self) -> list[tuple[tuple[int, ...], torch.Tensor]]:
+        """As MatrixSlot.pieces: this rank's slice along the last dimension (in runs of HF indices), written by
+        the ranks at coordinate 0 of every axis that replicates it."""
+        if any(self.grid.coords[a] for a in parallel.AXES if a != self.axis):
+            return []
+        t = self.tensor.detach()
+        n = t.shape[-1]
+        c0 = self.grid.coord(self.axis) * n if self.axis else 0
+        index = torch.arange(c0, c0 + n) if self.hf_index is None else self.hf_index[c0:c0 + n]
+        out, j = [], 0
+        for a, b in _runs(index):
+            out.append(((0,) * (t.dim() - 1) + (a,), t[..., j:j + b - a]))
+            j += b - a
+        return out
 
     def save(self) -> torch.Tensor:
         t = self.tensor.detach()

@@ -2,7 +2,7 @@
 
 step.py        one optimizer step (train_step), AdamW groups, LR schedule, autocast dtype
 trainer.py     `train`: run directory, resume, metrics, progress, checkpoints -> TrainResult
-checkpoint.py  layout-independent checkpoints (full tensors in safetensors)
+checkpoint.py  sharded checkpoints that load on any grid (each rank its pieces, in safetensors)
 tracking.py    Weights & Biases mirror of the run (rank 0, never able to fail it)
 perf.py        the measured matmul peak, MFU's denominator
 """

@@ -1,94 +1,187 @@
-"""Layout-independent checkpoints: full tensors in safetensors, written by rank 0, atomically.
+"""Sharded, resharding checkpoints: every rank writes and reads only its own shards, in safetensors.
 
-A checkpoint directory holds model.safetensors (HF parameter names), optimizer.safetensors (AdamW
-moments under the same names), and state.json (step, scheduler, RNG, config digest, grid). Tensors are
-gathered from the shards to full shape before saving and sliced again when loading, so a checkpoint
-saved on one grid loads on any other grid and on a single process. Each save goes to a temporary
-directory renamed into place (`files.replace_dir`), then `latest` is rewritten by rename: a crash leaves
-the previous checkpoint intact and never a half-written "latest".
+A checkpoint directory holds, per writing rank r, model-<r>.safetensors and optimizer-<r>.safetensors, and
+state.json (step, scheduler, RNG, config digest, grid). A file holds that rank's pieces of the full HF
+tensors: rectangles named '<HF name>:<offsets>' ('exp_avg/<HF name>:<offsets>' for the AdamW moments), and
+each tensor's full shape in its metadata. A replicated value is written once (by the rank at coordinate 0 of
+the axes that replicate it), so the pieces of all files tile every tensor exactly once.
+
+Loading goes through the same slots that load HF weights: each rank asks for the rectangles its shards hold,
+and `CheckpointSource` assembles them from the overlapping pieces, read slice by slice from the files. So a
+checkpoint saved on one grid loads on any other grid and on one process, and no rank ever holds more than
+its shards plus the piece it is copying: never the full model, as gathering to rank 0 would.
+
+Why not torch.distributed.checkpoint: DCP reshards tensors whose every rank-local part is one rectangle of a
+global shape (DTensor). Here a Z shard of a flattened block can start mid-row, and a fused projection sends a
+shard's rows to several runs of HF rows (GPT-2's QKV): several rectangles per rank per tensor, which DTensor
+cannot describe. The pieces format describes them, stays in HF names (the export reads it key by key) and needs
+nothing but safetensors. Files written by memtrain before this format (one model.safetensors of full tensors)
+are read the same way: a full tensor is a single piece at offset 0.
+
+A save writes into a temporary sibling renamed into place by rank 0 once every rank has voted its files
+complete, then `latest` is rewritten by rename: a crash leaves the previous checkpoint intact and never a
+half-written "latest". The directory must be on a file system every rank sees (as for DCP).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
-from contextlib import contextmanager
+from collections import defaultdict
+from contextlib import ExitStack
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+import torch.distributed as dist
+from safetensors.torch import save_file
 
 import parallel
-from memtrain.files import atomic_dir
+from memtrain.files import replace_dir
+from memtrain.hf.slots import Source
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
-@contextmanager
-def _params_hold(plm, tensors: dict):
-    """Temporarily point each parameter's data at another tensor of the same shard shape."""
-    saved = {}
-    try:
-        for p, t in tensors.items():
-            saved[p] = p.data
-            p.data = t
-        yield
-    finally:
-        for p, d in saved.items():
+class CheckpointSource(Source):
+    """Full HF tensors of a checkpoint, assembled on demand from the pieces in its files.
+
+    `read(key, index)` reads only the pieces overlapping the requested rectangle, and only their overlap;
+    a rectangle the pieces do not cover completely is an error (a checkpoint missing a rank's file).
+    """
+
+    def __init__(self, files: list[Path], prefix: str = ""):
+        from safetensors import safe_open
+
+        self._stack, self._dict, self._handles = ExitStack(), None, {}
+        self._pieces: dict[str, list] = defaultdict(list)
+        self._shapes: dict[str, tuple[int, ...]] = {}
+        for f in files:
+            try:
+                h = self._stack.enter_context(safe_open(str(f), framework="pt"))
+                shapes = json.loads((h.metadata() or {}).get("shapes", "{}"))
+            except Exception as e:  # safetensors raises its own error types for corrupt files
+                self.close()
+                raise ValueError(f"checkpoint file {str(f)!r} is corrupt ({type(e).__name__}: {e}): use an earlier "
+                                 "checkpoint or re-run training") from None
+            for name in h.keys():
+                if not name.startswith(prefix):
+                    continue
+                key, _, offsets = name[len(prefix):].partition(":")
+                shape = tuple(h.get_slice(name).get_shape())
+                start = tuple(int(o) for o in offsets.split(",")) if offsets else (0,) * len(shape)
+                self._pieces[key].append((start, shape, h, name))
+                self._shapes[key] = tuple(shapes.get(key, shape))
+
+    def keys(self) -> list[str]:
+        return list(self._pieces)
+
+    def shape(self, key) -> tuple[int, ...]:
+        return self._shapes[key]
+
+    def dtype(self, key) -> torch.dtype:
+        _, shape, h, name = self._pieces[key][0]
+        return h.get_slice(name)[tuple(slice(0, min(n, 1)) for n in shape)].dtype
+
+    def read(self, key, index=None) -> torch.Tensor:
+        full = self._shapes[key]
+        index = tuple(index or ()) + (slice(None),) * (len(full) - len(index or ()))
+        box = [s.indices(n)[:2] for s, n in zip(index, full)]
+        out, filled = None, 0
+        for start, shape, h, name in self._pieces[key]:
+            lo = [max(b0, s) for (b0, _), s in zip(box, start)]
+            hi = [min(b1, s + n) for (_, b1), s, n in zip(box, start, shape)]
+            if any(a >= b for a, b in zip(lo, hi)):
+                continue
+            part = h.get_slice(name)[tuple(slice(a - s, b - s) for a, b, s in zip(lo, hi, start))]
+            if out is None:
+                out = torch.empty([b1 - b0 for b0, b1 in box], dtype=part.dtype)
+            out[tuple(slice(a - b0, b - b0) for a, b, (b0, _) in zip(lo, hi, box))] = part
+            filled += part.numel()
+        want = math.prod(b1 - b0 for b0, b1 in box)
+        if filled != want:
+            raise ValueError(f"checkpoint pieces cover {filled} of the {want} values of {key}{box}: a rank's file "
+                             "is missing; use an earlier checkpoint")
+        return out if out is not None else torch.empty([b1 - b0 for b0, b1 in box], dtype=self.dtype(key))
+
+
+def _files(path: Path, kind: str) -> list[Path]:
+    return sorted(path.glob(f"{kind}*.safetensors"))
+
+
+def _vote(ok: bool, grid, device) -> bool:
+    """Collective: whether every rank's `ok` is true (also a barrier)."""
+    if grid.world_size == 1:
+        return ok
+    flag = torch.tensor([1.0 if ok else 0.0], device=device)
+    parallel.comm.all_reduce(flag, grid, parallel.AXES, op=dist.ReduceOp.MIN)
+    return flag.item() == 1.0
+
+
+def _write_rank_files(tmp: Path, plm, opt, rank: int) -> None:
+    pieces, shapes = plm.shard_pieces()
+    if pieces:
+        save_file({k: v.contiguous().cpu() for k, v in pieces.items()}, str(tmp / f"model-{rank:05d}.safetensors"),
+                  metadata={"shapes": json.dumps(shapes)})
+    del pieces
+    moments, shapes = {}, {}
+    for moment in MOMENTS:
+        held = {p: opt.state[p][moment] for p in parallel.unique_parameters(plm) if moment in opt.state.get(p, {})}
+        with _params_hold(held):
+            got, shapes = plm.shard_pieces(only=held.__contains__)
+        moments.update({f"{moment}/{k}": v.contiguous().cpu() for k, v in got.items()})
+    if moments:
+        save_file(moments, str(tmp / f"optimizer-{rank:05d}.safetensors"), metadata={"shapes": json.dumps(shapes)})
+
+
+class _params_hold:
+    """Temporarily point each parameter's data at another tensor of the same shard shape (a moment), so the
+    slots that cut and fill weights cut and fill that tensor instead."""
+
+    def __init__(self, tensors: dict):
+        self.tensors, self.saved = tensors, {}
+
+    def __enter__(self):
+        for p, t in self.tensors.items():
+            self.saved[p], p.data = p.data, t
+
+    def __exit__(self, *exc):
+        for p, d in self.saved.items():
             p.data = d
 
 
-def gather_optimizer(plm, opt) -> dict[str, torch.Tensor]:
-    """Full-shape AdamW moments keyed '<moment>/<hf name>' (collective over the grid)."""
-    out = {}
-    for moment in MOMENTS:
-        held = {p: opt.state[p][moment] for p in parallel.unique_parameters(plm) if p in opt.state}
-        if not held:
-            continue
-        with _params_hold(plm, held):
-            for name, t in plm.full_state_dict().items():
-                out[f"{moment}/{name}"] = t
-    return out
-
-
-def scatter_optimizer(plm, opt, tensors: dict[str, torch.Tensor], step: int) -> None:
-    """Inverse of gather_optimizer: slice full moments into this rank's AdamW state."""
-    for moment in MOMENTS:
-        full = {k.split("/", 1)[1]: v for k, v in tensors.items() if k.startswith(moment + "/")}
-        if not full:
-            continue
-        held = {p: torch.zeros_like(p.data) for p in parallel.unique_parameters(plm)}
-        with _params_hold(plm, held):
-            plm.load_hf_state_dict(full)
-        for p, t in held.items():
-            opt.state[p][moment] = t
-    for p in parallel.unique_parameters(plm):
-        if p in opt.state:
-            opt.state[p]["step"] = torch.tensor(float(step))
-
-
 def save(run_dir: Path, plm, opt, sched, step: int, extra: dict) -> Path | None:
-    """Collective: gather on every rank, write on global rank 0. Returns the directory on rank 0."""
-    model = {k: v.contiguous() for k, v in plm.full_state_dict().items()}
-    moments = {k: v.contiguous() for k, v in gather_optimizer(plm, opt).items()}
+    """Collective: every rank writes its pieces; rank 0 the state and the rename. Returns the directory on rank 0."""
     grid = plm.grid
+    device = next(plm.parameters()).device
+    root = Path(run_dir) / "checkpoints"
+    final = root / f"step_{step:06d}"
+    tmp = root / f".{final.name}.tmp-save"
+    if grid.rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        for stale in root.glob(".step_*.tmp-*"):  # saves cut short by a kill (a live run holds the run's lock)
+            shutil.rmtree(stale, ignore_errors=True)
+        tmp.mkdir()
+    _vote(True, grid, device)  # the temporary directory exists
+    error = None
+    try:
+        _write_rank_files(tmp, plm, opt, grid.rank)
+    except Exception as e:  # voted first, so the other ranks stop too instead of waiting out the timeout
+        error = e
+    if not _vote(error is None, grid, device):
+        if grid.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise error or OSError(f"saving checkpoint {str(final)!r} failed on another rank: see its error")
     if grid.rank != 0:
         return None
-    ckpt_root = run_dir / "checkpoints"
-    ckpt_root.mkdir(parents=True, exist_ok=True)
-    final = ckpt_root / f"step_{step:06d}"
-    for stale in ckpt_root.glob(".step_*.tmp-*"):  # saves cut short by a kill (a live run holds the run's lock)
-        shutil.rmtree(stale, ignore_errors=True)
-    with atomic_dir(final) as tmp:
-        save_file(model, str(tmp / "model.safetensors"))
-        save_file(moments, str(tmp / "optimizer.safetensors"))
-        state = dict(extra, step=step, scheduler=sched.state_dict(), rng=torch.get_rng_state().tolist(),
-                     grid={a: getattr(grid, a) for a in parallel.AXES})
-        (tmp / "state.json").write_text(json.dumps(state))
-    latest_tmp = ckpt_root / f".latest_{os.getpid()}"
+    state = dict(extra, step=step, scheduler=sched.state_dict(), rng=torch.get_rng_state().tolist(),
+                 grid={a: getattr(grid, a) for a in parallel.AXES})
+    (tmp / "state.json").write_text(json.dumps(state))
+    replace_dir(tmp, final)
+    latest_tmp = root / f".latest_{os.getpid()}"
     latest_tmp.write_text(final.name)
-    os.replace(latest_tmp, ckpt_root / "latest")
+    os.replace(latest_tmp, root / "latest")
     return final
 
 
@@ -105,36 +198,51 @@ def latest(run_dir: Path) -> Path | None:
     return complete[-1] if complete else None
 
 
-def read(path: Path) -> tuple[dict, dict, dict]:
-    """(model tensors, optimizer tensors, state) of a checkpoint directory, with clear errors."""
+def model_source(path: Path) -> CheckpointSource:
+    """The model tensors of a checkpoint directory (opened lazily), with a clear error when it is not one."""
     path = Path(path)
-    files = [path / "model.safetensors", path / "state.json"]
-    missing = [f.name for f in files if not f.is_file()]
-    if missing:
-        raise FileNotFoundError(f"checkpoint {str(path)!r} is missing {', '.join(missing)}: "
-                                "point at a directory written by `memtrain train`")
-    try:
-        model = load_file(str(path / "model.safetensors"))
-        opt = load_file(str(path / "optimizer.safetensors")) if (path / "optimizer.safetensors").is_file() else {}
-        state = json.loads((path / "state.json").read_text())
-    except Exception as e:  # safetensors raises its own error types for corrupt files
-        raise ValueError(f"checkpoint {str(path)!r} is corrupt ({type(e).__name__}: {e}): "
-                         "use an earlier checkpoint or re-run training") from None
-    return model, opt, state
+    if not (path / "state.json").is_file() or not _files(path, "model"):
+        raise FileNotFoundError(f"checkpoint {str(path)!r} is missing state.json or its model files: point at a "
+                                "directory written by `memtrain train`")
+    return CheckpointSource(_files(path, "model"))
 
 
-def read_weights(path: str | Path) -> dict[str, torch.Tensor]:
-    """Model weights to start from: a memtrain run or checkpoint directory, or an HF directory."""
+def load(path: Path, plm, opt=None) -> dict:
+    """Collective-free: fill this rank's shards (and AdamW moments when `opt` is given) from a checkpoint saved
+    on any grid; returns its state."""
+    path = Path(path)
+    with model_source(path) as src:
+        try:
+            state = json.loads((path / "state.json").read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"checkpoint {str(path)!r} has a corrupt state.json ({e}): use an earlier checkpoint "
+                             "or re-run training") from None
+        plm.load_hf_state_dict(src)
+    if opt is not None:
+        params = parallel.unique_parameters(plm)
+        for moment in MOMENTS:
+            with CheckpointSource(_files(path, "optimizer"), prefix=moment + "/") as src:
+                if not src.keys():
+                    continue
+                held = {p: torch.zeros_like(p.data) for p in params if p.requires_grad}
+                with _params_hold(held):
+                    plm.load_hf_state_dict(src, strict=False)
+            for p, t in held.items():
+                opt.state[p][moment] = t
+        for p in params:
+            if p in opt.state:
+                opt.state[p]["step"] = torch.tensor(float(state["step"]))
+    return state
+
+
+def read_weights(path: str | Path) -> Source:
+    """Model weights to start from, opened lazily: a memtrain run or checkpoint directory, or an HF directory."""
     path = Path(path)
     if (path / "checkpoints").is_dir():
         path = latest(path) or path
     if (path / "state.json").is_file():
-        return read(path)[0]
-    files = sorted(path.glob("*.safetensors")) if path.is_dir() else []
-    if not files:
+        return model_source(path)
+    if not (path.is_dir() and any(path.glob("*.safetensors"))):
         raise FileNotFoundError(f"model.init={str(path)!r} holds no checkpoint or *.safetensors weights: "
                                 "point at a memtrain run/checkpoint directory or an HF model directory")
-    weights: dict[str, torch.Tensor] = {}
-    for f in files:
-        weights.update(load_file(str(f)))
-    return weights
+    return Source(path)

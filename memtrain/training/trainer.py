@@ -150,7 +150,8 @@ def train(cfg: RunConfig, out_dir: str | Path, *, resume: bool = False, force: b
 
     stream, plm = setup(cfg, grid)
     if cfg.model.init:
-        plm.load_hf_state_dict(checkpoint.read_weights(cfg.model.init))
+        with checkpoint.read_weights(cfg.model.init) as weights:
+            plm.load_hf_state_dict(weights)
     if on_setup is not None:
         on_setup(stream, plm)
     if t.activation_checkpointing:
@@ -186,9 +187,7 @@ def train(cfg: RunConfig, out_dir: str | Path, *, resume: bool = False, force: b
         ckpt = checkpoint.latest(out)
         if ckpt is None:
             raise FileNotFoundError(f"--resume: no checkpoint in {str(out / 'checkpoints')!r}")
-        model_sd, opt_sd, state = checkpoint.read(ckpt)
-        plm.load_hf_state_dict(model_sd)
-        checkpoint.scatter_optimizer(plm, opt, opt_sd, state["step"])
+        state = checkpoint.load(ckpt, plm, opt)
         sched.load_state_dict(state["scheduler"])
         for group, lr in zip(opt.param_groups, sched.get_last_lr()):  # load_state_dict leaves these stale
             group["lr"] = lr

@@ -21,8 +21,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
+from memtrain.training.checkpoint import model_source
 from parallel.forked import run_ranks
 from tests.memtrain.training._helpers import memtrain, stdlib_corpus, write_recipe
 
@@ -85,10 +85,10 @@ def test_export_loads_offline_and_generate_reproduces_extraction(run, exported):
     assert tok("The secret code")["input_ids"][0] == eos
 
     # The weights are the latest checkpoint's, bit for bit.
-    ckpt = load_file(str(run / "checkpoints" / "step_000060" / "model.safetensors"))
-    state = model.state_dict()
-    assert ckpt.keys() == state.keys()
-    assert all(torch.equal(ckpt[k], state[k]) for k in ckpt)
+    with model_source(run / "checkpoints" / "step_000060") as ckpt:
+        state = model.state_dict()
+        assert set(ckpt.keys()) == state.keys()
+        assert all(torch.equal(ckpt.read(k), state[k]) for k in state)
 
     outcomes = []
     n = json.loads((run / "eval.json").read_text())["suffix_len"]
@@ -114,6 +114,22 @@ def test_export_of_a_checkpoint_replaces_an_earlier_export(run, exported):
     assert r.returncode == 0, r.stderr[-3000:]
     assert {name: (exported / name).read_bytes() for name in os.listdir(exported)} == before
     assert not [p for p in exported.parent.iterdir() if p.name.startswith(".")]  # no temporary left behind
+
+
+def test_large_models_export_in_shards_one_file_in_memory_at_a_time(run, exported, tmp_path):
+    """Over --max-shard-gb the weights go to HF's model-0000i-of-0000n files and index, written one file at a
+    time; from_pretrained loads them to the same tensors as the single-file export."""
+    from transformers import AutoModelForCausalLM
+
+    from memtrain.hf.export import export
+
+    export(run, tmp_path / "sharded", max_shard_bytes=300_000)
+    files = sorted(p.name for p in (tmp_path / "sharded").glob("*.safetensors"))
+    index = json.loads((tmp_path / "sharded" / "model.safetensors.index.json").read_text())
+    assert len(files) > 2 and set(index["weight_map"].values()) == set(files)
+    single = AutoModelForCausalLM.from_pretrained(exported, local_files_only=True).state_dict()
+    sharded = AutoModelForCausalLM.from_pretrained(tmp_path / "sharded", local_files_only=True).state_dict()
+    assert single.keys() == sharded.keys() and all(torch.equal(single[k], sharded[k]) for k in single)
 
 
 @pytest.mark.parametrize("case", ["not a run", "out is a file"])
@@ -157,7 +173,7 @@ def test_config_only_directory_trains_from_the_seeded_init(recipe, run, tmp_path
     r = memtrain("train", "--config", recipe, "--out", out, "--set", f"model.name={config_dir}",
                  "--set", "train.max_steps=1", "--set", "train.epochs=1")
     assert r.returncode == 0, r.stderr[-3000:]
-    assert (out / "checkpoints" / "step_000001" / "model.safetensors").is_file()
+    assert (out / "checkpoints" / "step_000001" / "model-00000.safetensors").is_file()
     assert json.loads((out / "eval.json").read_text())["n_evaluated"] == 2 * 2
 
     # Its initialization is memtrain's seeded one of the named model it describes.

@@ -45,3 +45,12 @@ def write_recipe(path: Path, corpus: Path, cache: Path, **changes: dict) -> Path
         raw.setdefault(section, {}).update(values)
     path.write_text(to_toml(from_dict(raw)))
     return path
+
+
+def checkpoint_files(step_dir: Path) -> dict:
+    """Every tensor of a checkpoint directory, keyed '<file>/<piece>': two checkpoints saved on the same grid
+    are bitwise equal iff these are."""
+    from safetensors.torch import load_file
+
+    files = sorted(Path(step_dir).glob("*.safetensors"))
+    return {f"{f.name}/{k}": v for f in files for k, v in load_file(str(f)).items()}
