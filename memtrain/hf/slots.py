@@ -242,7 +242,13 @@ class PartSlot:
     @torch.no_grad()
     def load(self, src: Source, key: str) -> None:
         t = self.tensor
-        t.copy_(self._local(src.read(key)).to(device=t.device, dtype=t.dtype))
+        if self.hf_index is None and self.axis is not None:  # read this rank's slice only
+            n = t.shape[-1]
+            c0 = self.grid.coord(self.axis) * n
+            value = src.read(key, (slice(None),) * (t.dim() - 1) + (slice(c0, c0 + n),))
+        else:
+            value = self._local(src.read(key))
+        t.copy_(value.to(device=t.device, dtype=t.dtype))
 
     def pieces(self) -> list[tuple[tuple[int, ...], torch.Tensor]]:
         """As MatrixSlot.pieces: this rank's slice along the last dimension (in runs of HF indices), written by
