@@ -52,6 +52,10 @@ class ParallelConfig:
     """torch.distributed backend; None picks nccl with CUDA, else gloo."""
     overlap: bool = True
     """Overlap communication with computation (all-reduce, reduce-scatter, all-gather prefetch)."""
+    grad_sync: str = "overlap"
+    """'overlap': gradient all-reduces start in buckets during backward, as gradients become final (as torch
+    DDP); 'blocking': one all-reduce per set of reduce axes after backward. Same sums up to the last bits (the
+    ring's order of summation follows the bucket boundaries)."""
     timeout_s: float | None = None
     """Seconds a collective may wait for the other ranks before the run fails (a stuck rank becomes an error):
     None is 120 on CPUs (gloo), 600 on GPUs."""
@@ -211,6 +215,7 @@ RULES = {
     "parallel.x": _at_least(1), "parallel.y": _at_least(1), "parallel.z": _at_least(1),
     "parallel.mode": _one_of("auto", "sharded", "easy"),
     "parallel.backend": _one_of("gloo", "nccl", "mpi", "ucc", "xccl", "fake"),
+    "parallel.grad_sync": _one_of("overlap", "blocking"),
     "parallel.timeout_s": _above(0),
     "train.batch_size": _at_least(1), "train.micro_batch_size": _at_least(1), "train.epochs": _at_least(1),
     "train.max_steps": _at_least(1), "train.lr": _above(0), "train.min_lr": _at_least(0),

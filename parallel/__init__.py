@@ -5,9 +5,11 @@
     fc2 = parallel.Linear(2048, 512, mode="sharded", transpose=True)
 
 The engine imports nothing else of memtrain. The algorithm is in linear.py's docstring, the rank layout
-in grid.py's, overlap in overlap.py's, the communication ledger in comm.py's.
+in grid.py's, overlap in overlap.py's (gradient all-reduce overlapped with backward: bucketed.py's), the
+communication ledger in comm.py's.
 """
 
+from .bucketed import GradSync, grad_sync
 from .comm import LEDGER, Ledger
 from .embedding import (
     IGNORE_INDEX,
@@ -25,8 +27,8 @@ from .overlap import overlap
 from .sharding import BlockLayout, ShardSpec, spec_of, tag, unique_parameters
 
 __all__ = [
-    "AXES", "IGNORE_INDEX", "LEDGER", "BlockLayout", "ColumnEmbedding", "Embedding", "Grid", "LMHead", "Ledger",
-    "Linear", "ShardSpec", "clip_grad_norm_", "current", "grad_norm", "init", "no_sync", "overlap",
-    "padded_vocab", "resolve_degrees", "shutdown", "spec_of", "sync_gradients", "tag", "unique_parameters",
+    "AXES", "IGNORE_INDEX", "LEDGER", "BlockLayout", "ColumnEmbedding", "Embedding", "GradSync", "Grid", "LMHead",
+    "Ledger", "Linear", "ShardSpec", "clip_grad_norm_", "current", "grad_norm", "grad_sync", "init", "no_sync",
+    "overlap", "padded_vocab", "resolve_degrees", "shutdown", "spec_of", "sync_gradients", "tag", "unique_parameters",
     "vocab_parallel_argmax", "vocab_parallel_cross_entropy",
 ]

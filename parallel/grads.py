@@ -4,6 +4,9 @@ After backward, a sharded weight's gradient is already summed over Z (its reduce
 only the data axis; other parameters need every axis over which their rows of data differ. Grads are
 summed, not averaged: the loss is normalized by the global number of supervised tokens, so the sum
 is the gradient of the global mean.
+
+`sync_gradients` is the blocking path: every all-reduce after backward. bucketed.py's `grad_sync` gives the
+same sums from all-reduces started during backward, as gradients become final.
 """
 
 from __future__ import annotations
@@ -36,9 +39,15 @@ def _flat_buffer(params: list, grads: list[torch.Tensor]) -> torch.Tensor:
     return hit[1]
 
 
+def sync_enabled() -> bool:
+    """False inside `no_sync()`."""
+    return _SYNC_ENABLED
+
+
 @contextmanager
 def no_sync():
-    """Skip `sync_gradients` inside (micro-batches of gradient accumulation); sync once after."""
+    """Skip `sync_gradients` inside (micro-batches of gradient accumulation); sync once after. An armed
+    `grad_sync` launches nothing from a backward inside: only the step's last backward, outside, launches."""
     global _SYNC_ENABLED
     prev, _SYNC_ENABLED = _SYNC_ENABLED, False
     try:

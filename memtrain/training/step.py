@@ -75,14 +75,21 @@ def build_schedule(opt, cfg: RunConfig, total_steps: int) -> torch.optim.lr_sche
 
 def train_step(plm, grid: parallel.Grid, opt, input_ids: torch.Tensor, labels: torch.Tensor, keep: torch.Tensor,
                micro_batch: int, *, position_ids: torch.Tensor | None = None, amp: torch.dtype | None = None,
-               overlap: bool = True, grad_clip: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+               overlap: bool = True, grad_sync: str = "overlap",
+               grad_clip: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """One optimizer step on a global batch (every rank passes the whole batch and takes its own rows).
     position_ids (document attention) restart at every packed document, which then attends only to itself.
+
+    grad_sync (parallel.grad_sync in the config): 'overlap' starts the gradient all-reduces in buckets during
+    the last micro-batch's backward (parallel.grad_sync), 'blocking' runs them after it (sync_gradients). Either
+    way the earlier micro-batches only accumulate (parallel.no_sync).
 
     Returns the step's global loss sums [kept loss, kept tokens, dropped loss, dropped tokens] (float64,
     all-reduced) and the global gradient norm before clipping. The planner's byte model is tested against
     the collectives of exactly this function.
     """
+    if grad_sync not in ("overlap", "blocking"):
+        raise ValueError(f"parallel.grad_sync={grad_sync!r} is invalid: use 'overlap' or 'blocking'")
     device = next(plm.parameters()).device
     n_kept = keep.sum().clamp(min=1)  # the global count: every rank sees the whole batch's labels
     rows = plm.local_rows(input_ids.shape[0])
@@ -90,18 +97,22 @@ def train_step(plm, grid: parallel.Grid, opt, input_ids: torch.Tensor, labels: t
     pos = position_ids[rows] if position_ids is not None else None
     opt.zero_grad(set_to_none=True)
     sums = torch.zeros(4, dtype=torch.float64)
-    for i in range(0, ids.shape[0], micro_batch):
-        sl = slice(i, i + micro_batch)
-        ov = parallel.overlap(plm) if overlap else nullcontext()
-        ac = torch.autocast(device.type, dtype=amp) if amp else nullcontext()
-        with ov:
-            with ac:
-                token_losses = plm.token_losses(ids[sl].to(device), labels[sl].to(device),
-                                                None if pos is None else pos[sl].to(device))
-            s = loss_sums(token_losses.float(), keep[sl].to(device), labels[sl].to(device))
-            (s.kept_sum / n_kept).backward()
-        sums += torch.stack([x.detach().double().cpu() for x in s])
-    parallel.sync_gradients(plm, grid)
+    sync = parallel.grad_sync(plm, grid) if grad_sync == "overlap" else None
+    with sync or nullcontext():  # on exit every gradient is summed over its reduce axes
+        for i in range(0, ids.shape[0], micro_batch):
+            sl = slice(i, i + micro_batch)
+            accumulate = parallel.no_sync() if i + micro_batch < ids.shape[0] else nullcontext()
+            ov = parallel.overlap(plm) if overlap else nullcontext()
+            ac = torch.autocast(device.type, dtype=amp) if amp else nullcontext()
+            with accumulate, ov:
+                with ac:
+                    token_losses = plm.token_losses(ids[sl].to(device), labels[sl].to(device),
+                                                    None if pos is None else pos[sl].to(device))
+                s = loss_sums(token_losses.float(), keep[sl].to(device), labels[sl].to(device))
+                (s.kept_sum / n_kept).backward()
+            sums += torch.stack([x.detach().double().cpu() for x in s])
+    if sync is None:
+        parallel.sync_gradients(plm, grid)
     norm = parallel.clip_grad_norm_(plm, grad_clip, grid) if grad_clip > 0 else parallel.grad_norm(plm, grid)
     opt.step()
     parallel.comm.all_reduce(sums, grid, plm.row_axes)

@@ -222,7 +222,7 @@ def train(cfg: RunConfig, out_dir: str | Path, *, resume: bool = False, force: b
         lr = sched.get_last_lr()[0]
         sums, norm = train_step(plm, grid, opt, batch["input_ids"], batch["labels"], keep, mb,
                                 position_ids=batch.get("position_ids"), amp=amp, overlap=p.overlap,
-                                grad_clip=t.grad_clip)
+                                grad_sync=p.grad_sync, grad_clip=t.grad_clip)
         sched.step()
         dt = time.perf_counter() - t0
         tokens = B * stream.seq_len
