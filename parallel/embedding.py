@@ -32,7 +32,9 @@ class _EmbedFn(torch.autograd.Function):
     def forward(ctx, ids, weight, layer):
         if layer.mode == "easy":
             ids = comm.all_gather(ids, layer.grid, layer.out_axis)
-        w = layer.weight_for("fwd")
+        # The lookup stays in the table's dtype under autocast (torch's embedding is no autocast op), so the
+        # gather does too: a bf16 gather would round the output.
+        w = layer.weight_for("fwd", layer.weight.dtype)
         n_local = w.shape[0]
         start = layer.grid.coord(layer.in_axis) * n_local
         local = ids - start

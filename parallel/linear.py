@@ -10,6 +10,9 @@ re-layout): input [rows, in/|A|] replicated over B, output [rows, out/|B|] repli
     backward: W = all-gather_Z(shard);  dx = dy W -> all-reduce_B (async with OAR, while dW computes)
               dW = dy^T x -> reduce-scatter_Z (async with ORS)
 Rows are the batch split over data and Z.
+Under autocast the Z all-gathers (forward and backward) move the shard already cast to the matmul dtype:
+gathering is concatenation, so gather(cast(shards)) == cast(gather(shards)) bit for bit, at half the bytes
+for bf16 over fp32 parameters. The gradient reduce-scatter over Z stays in the parameter dtype.
 
 Easy mode (any model runs unmodified): input and output are plain data-parallel activations, each
 rank its own rows and all features. The edges move rows instead of reducing twice:
@@ -64,17 +67,30 @@ class ShardedWeight(nn.Module):
     def view_gathered(self, flat: torch.Tensor) -> torch.Tensor:
         return flat.view(self.block_shape)
 
-    def gather_weight(self) -> torch.Tensor:
-        return self.view_gathered(comm.all_gather(self.weight.detach(), self.grid, "z"))
+    def gather_dtype(self, compute: torch.dtype | None) -> torch.dtype:
+        """The dtype the Z all-gather moves for a matmul in `compute`: `compute` when it is narrower than the
+        parameter (bf16 autocast over fp32 weights), else the parameter dtype (the cast then follows the gather)."""
+        p = self.weight.dtype
+        return compute if compute is not None and compute.itemsize < p.itemsize else p
 
-    def gather_weight_async(self):
-        return comm.all_gather(self.weight.detach(), self.grid, "z", async_op=True)
+    def _local_shard(self, dtype: torch.dtype | None) -> torch.Tensor:
+        w = self.weight.detach()
+        return w if dtype is None or dtype == w.dtype else w.to(dtype)
 
-    def weight_for(self, phase: str) -> torch.Tensor:
+    def gather_weight(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The [rows, cols] block, all-gathered over Z in `dtype` (None: the parameter dtype)."""
+        return self.view_gathered(comm.all_gather(self._local_shard(dtype), self.grid, "z"))
+
+    def gather_weight_async(self, dtype: torch.dtype | None = None):
+        return comm.all_gather(self._local_shard(dtype), self.grid, "z", async_op=True)
+
+    def weight_for(self, phase: str, compute: torch.dtype | None = None) -> torch.Tensor:
+        """The gathered block for a `phase` ('fwd'/'bwd') computing in `compute`, in `gather_dtype(compute)`."""
+        dtype = self.gather_dtype(compute)
         st = overlap.state()
         if st is not None and st.prefetcher is not None:
-            return st.prefetcher.take(self, phase)
-        return self.gather_weight()
+            return st.prefetcher.take(self, phase, dtype)
+        return self.gather_weight(dtype)
 
     def weight_grad(self, block_grad: torch.Tensor):
         """Reduce-scatter the block gradient over Z; deferred into .grad under ORS (returns None)."""
@@ -128,7 +144,7 @@ class MatmulFn(torch.autograd.Function):
             x = comm.all_gather(x, layer.grid, layer.out_axis)
         dtype = _autocast_dtype(x)
         x = x.to(dtype)
-        w = layer.weight_for("fwd").to(dtype)
+        w = layer.weight_for("fwd", dtype).to(dtype)
         y = layer.reduce_out(x @ w.t())
         ctx.layer = layer
         ctx.save_for_backward(x, w if layer.cache_weights else None)
@@ -140,8 +156,8 @@ class MatmulFn(torch.autograd.Function):
         x, w = ctx.saved_tensors
         grid, b_axis = layer.grid, layer.out_axis
         dy = layer.reduce_out_backward(g.contiguous())
-        if w is None:
-            w = layer.weight_for("bwd")
+        if w is None:  # dy is in the forward's matmul dtype (autograd casts it to y's): backward runs outside autocast
+            w = layer.weight_for("bwd", dy.dtype)
         st = overlap.state()
         oar = st is not None and st.all_reduce
         dx, work = None, None

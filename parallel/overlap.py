@@ -11,6 +11,12 @@
 - OAG: a layer's Z all-gather of its weight is issued while the layer before it computes. The order
   is the one recorded during the previous pass (forward and backward separately), never the module
   registration order; a layer that was not prefetched simply gathers synchronously.
+  Each gather moves the dtype the same position asked for in the previous pass (the matmul dtype under
+  autocast, linear.py), checked when the layer takes it: the autocast state at issue time does not tell.
+  The first forward gather is issued when this context opens, usually outside autocast; backward runs
+  outside autocast while its matmuls keep the forward's dtype. (Activation-checkpointing recomputation
+  replays the forward's autocast state, and its takes are forward positions of the same pass.)
+  A gather in another dtype than the one taken is waited for and the layer gathers synchronously.
 All three change only when communication happens, never what is computed, so results are identical.
 """
 
@@ -23,7 +29,8 @@ import torch
 
 
 class Prefetcher:
-    """Per-model record of the order layers gathered their weights, and the gathers in flight."""
+    """Per-model record of the order (layer, gather dtype) layers gathered their weights, and the gathers
+    in flight."""
 
     def __init__(self):
         self.order: dict[str, list] = {"fwd": [], "bwd": []}
@@ -37,24 +44,24 @@ class Prefetcher:
     def _issue(self, phase: str, pos: int) -> None:
         order = self.order[phase]
         if pos < len(order):
-            layer = order[pos]
-            self.inflight[(phase, pos)] = (layer, *layer.gather_weight_async())
+            layer, dtype = order[pos]
+            self.inflight[(phase, pos)] = (layer, dtype, *layer.gather_weight_async(dtype))
 
-    def take(self, layer, phase: str) -> torch.Tensor:
+    def take(self, layer, phase: str, dtype: torch.dtype) -> torch.Tensor:
         pos = len(self.seen[phase])
-        self.seen[phase].append(layer)
+        self.seen[phase].append((layer, dtype))
         hit = self.inflight.pop((phase, pos), None)
         self._issue(phase, pos + 1)
-        if hit is not None and hit[0] is layer:
-            _, flat, work = hit
+        if hit is not None and hit[0] is layer and hit[1] == dtype:
+            _, _, flat, work = hit
             work.wait()
             return layer.view_gathered(flat)
         if hit is not None:
-            hit[2].wait()
-        return layer.gather_weight()
+            hit[3].wait()
+        return layer.gather_weight(dtype)
 
     def end(self) -> None:
-        for _, _, work in self.inflight.values():
+        for *_, work in self.inflight.values():
             work.wait()
         self.inflight.clear()
         for phase in ("fwd", "bwd"):

@@ -6,9 +6,10 @@ step is forward, backward, gradient sync and the AdamW step (+ zero_grad). `--wo
 once (gloo, file:// rendezvous, one torch thread each) and every variant lives in every rank:
 
     ddp          torch DistributedDataParallel, torch.nn.Linear                  (peer of mt-data)
-    mt-data      memtrain grid data=4, easy mode, parallel.sync_gradients        target <= 1.05x ddp
-    mt-data+bkt  the same, synced by a bench-only PROTOTYPE of DDP-style bucketed all-reduce overlapped
-                 with backward (BucketedDataSync below; not engine API): what overlap is worth here
+    mt-data      memtrain grid data=4, easy mode, parallel.grad_sync             target <= 1.05x ddp
+                 (bucketed all-reduces launched during backward, as DDP's; every mt-* variant syncs so,
+                 as the trainer does by default)
+    mt-data-blocking  the same, synced after backward by parallel.sync_gradients (what overlap is worth)
     fsdp2        torch fully_shard per block + root, torch.nn.Linear             (peer of mt-z*)
     mt-z         memtrain grid z=4, easy mode (each rank its own rows)           target <= 1.0x fsdp2
     mt-z+ov      the same inside parallel.overlap(model) (OAR/ORS/OAG)
@@ -24,8 +25,11 @@ time over the timed rounds, the ratio to the peer (ratio of medians, and median 
 paired ratios, which cancels load drifting between rounds), bytes per step (memtrain: from
 parallel.LEDGER, payload and ring-model moved bytes per axis; peers: the same ring model computed
 from their parameter sizes, marked "model"), per-rank parameter + optimizer-state memory, and where
-the time goes (forward+backward, sync_gradients, optimizer; `--profile mt-z,...` adds torch.profiler
-tables of a few extra steps). A loss mismatch above 1e-5 (relative) is flagged and fails the run.
+the time goes (forward+backward, gradient sync after backward: for parallel.grad_sync the wait for the
+buckets still in flight and the copy back; optimizer; `--profile mt-z,...` adds torch.profiler tables of a
+few extra steps). A loss mismatch above 1e-5 (relative) is flagged and fails the run. For variants with z > 1
+also the Z weight all-gather bytes of one step in fp32 and of one untimed step under bf16 autocast (the shard
+is cast before the gather): their ratio must be 0.5, or the run fails.
 
     python -m experiments.bench.engine [--world 4] [--hidden 512] [--layers 4] [--batch 128]
                                        [--steps 20] [--warmup 3] [--variants ddp,mt-data,...] [--json out.json]
@@ -51,8 +55,8 @@ from experiments.bench.common import machine, paired_ratio, rel_diff, write_json
 from parallel.forked import run_ranks
 from parallel.sharding import full_normal
 
-ALL_VARIANTS = ("ddp", "mt-data", "mt-data+bkt", "fsdp2", "mt-z", "mt-z+ov", "mt-x2y2-sh", "mt-x2z2-easy")
-PEER = {"mt-data": "ddp", "mt-data+bkt": "ddp", "mt-z": "fsdp2", "mt-z+ov": "fsdp2", "mt-x2y2-sh": "ddp",
+ALL_VARIANTS = ("ddp", "mt-data", "mt-data-blocking", "fsdp2", "mt-z", "mt-z+ov", "mt-x2y2-sh", "mt-x2z2-easy")
+PEER = {"mt-data": "ddp", "mt-data-blocking": "ddp", "mt-z": "fsdp2", "mt-z+ov": "fsdp2", "mt-x2y2-sh": "ddp",
         "mt-x2z2-easy": "ddp", "fsdp2": "ddp"}
 TARGET = {"mt-data": 1.05, "mt-z": 1.0, "mt-z+ov": 1.0}
 SEED = 1234
@@ -197,6 +201,7 @@ class MemtrainVariant(Variant):
     degrees = (1, 1, 1, 1)  # data, x, y, z
     mode = "easy"
     use_overlap = False
+    grad_sync = "overlap"  # or "blocking"
 
     def build(self, init, X, T):
         self.grid = parallel.Grid(*self.degrees, rank=self.rank)
@@ -216,17 +221,23 @@ class MemtrainVariant(Variant):
             self.report_weight = 1.0 if g.coords["y"] == 0 else 0.0  # count each replica once
         self.x, self.t = X[rows, cols].contiguous(), T[rows, cols].contiguous()
         self.scale = 1.0 / (self.n_rows * self.hidden)  # grads are summed: normalize by the global count
+        self.sync = parallel.grad_sync(self.model, g) if self.grad_sync == "overlap" else None
 
     def loss_fn(self, y):
         return (y - self.t).pow(2).sum() * self.scale
 
     def step(self):
         t0 = time.perf_counter()
+        if self.sync is not None:
+            self.sync.start()  # backward launches the bucket all-reduces
         with parallel.overlap(self.model) if self.use_overlap else nullcontext():
             loss = self.loss_fn(self.model(self.x))
             loss.backward()
         t1 = time.perf_counter()
-        parallel.sync_gradients(self.model, self.grid)
+        if self.sync is not None:
+            self.sync.finish()  # the rest launched, all waited, sums copied into .grad
+        else:
+            parallel.sync_gradients(self.model, self.grid)
         t2 = time.perf_counter()
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
@@ -234,101 +245,16 @@ class MemtrainVariant(Variant):
         return loss.detach() * self.report_weight
 
 
-class BucketedDataSync:
-    """PROTOTYPE, bench-only (not engine API): DDP-style overlapped gradient all-reduce for memtrain.
-
-    Parameters are bucketed in reverse registration order (first bucket ~1 MB, then ~25 MB, as DDP);
-    a post-accumulate-grad hook launches a bucket's async all-reduce over the parameters' reduce axes
-    as soon as all its gradients exist, so the reduction overlaps the rest of backward. `finish()`
-    waits and copies the sums back. Chunking the reduction differently from one flat bucket may change
-    the summation order of the ring, so results are tolerance-identical, not bit-identical.
-    """
-
-    def __init__(self, model, grid, first_bytes=2**20, cap_bytes=25 * 2**20):
-        from parallel.sharding import spec_of
-
-        self.grid, self.buckets, self.where = grid, [], {}
-        cur, size, cap = [], 0, first_bytes
-        for p in reversed([p for p in model.parameters() if p.requires_grad]):
-            axes = tuple(a for a in spec_of(p).reduce_axes if grid.size(a) > 1)
-            if not axes:
-                continue
-            if cur and (axes != cur[0][1] or size >= cap):
-                self._close(cur)
-                cur, size, cap = [], 0, cap_bytes
-            cur.append((p, axes))
-            size += p.numel() * p.element_size()
-        if cur:
-            self._close(cur)
-        for i, b in enumerate(self.buckets):
-            for p in b["params"]:
-                self.where[id(p)] = i
-                p.register_post_accumulate_grad_hook(self._hook)
-        self.reset()
-
-    def _close(self, cur):
-        params = [p for p, _ in cur]
-        self.buckets.append({"params": params, "axes": cur[0][1],
-                             "buf": torch.empty(sum(p.numel() for p in params), dtype=params[0].dtype)})
-
-    def reset(self):
-        self.ready = [0] * len(self.buckets)
-        self.works = [None] * len(self.buckets)
-
-    def _hook(self, p):
-        i = self.where[id(p)]
-        self.ready[i] += 1
-        if self.ready[i] == len(self.buckets[i]["params"]):
-            self._launch(i)
-
-    def _launch(self, i):
-        b = self.buckets[i]
-        torch.cat([p.grad.reshape(-1) for p in b["params"]], out=b["buf"])
-        self.works[i] = parallel.comm.all_reduce(b["buf"], self.grid, b["axes"], async_op=True)
-
-    @torch.no_grad()
-    def finish(self):
-        for i, b in enumerate(self.buckets):
-            if self.works[i] is None:
-                self._launch(i)
-            self.works[i].wait()
-            off = 0
-            for p in b["params"]:
-                p.grad.copy_(b["buf"][off:off + p.numel()].view_as(p.grad))
-                off += p.numel()
-        self.reset()
-
-
-class MemtrainBucketedVariant(MemtrainVariant):
-    """mt-data with the BucketedDataSync prototype instead of parallel.sync_gradients."""
-
-    def build(self, init, X, T):
-        super().build(init, X, T)
-        self.syncer = BucketedDataSync(self.model, self.grid)
-
-    def step(self):
-        t0 = time.perf_counter()
-        loss = self.loss_fn(self.model(self.x))
-        loss.backward()
-        t1 = time.perf_counter()
-        self.syncer.finish()
-        t2 = time.perf_counter()
-        self.opt.step()
-        self.opt.zero_grad(set_to_none=True)
-        self.phases = (t1 - t0, t2 - t1, time.perf_counter() - t2)
-        return loss.detach() * self.report_weight
-
-
-def _memtrain(name, degrees, mode="easy", use_overlap=False, base=MemtrainVariant):
-    return type(name, (base,), {"name": name, "degrees": degrees, "mode": mode,
-                                           "use_overlap": use_overlap})
+def _memtrain(name, degrees, mode="easy", use_overlap=False, grad_sync="overlap"):
+    return type(name, (MemtrainVariant,), {"name": name, "degrees": degrees, "mode": mode,
+                                           "use_overlap": use_overlap, "grad_sync": grad_sync})
 
 
 def make_variants(world):
     return {
         "ddp": DDPVariant,
         "mt-data": _memtrain("mt-data", (world, 1, 1, 1)),
-        "mt-data+bkt": _memtrain("mt-data+bkt", (world, 1, 1, 1), base=MemtrainBucketedVariant),
+        "mt-data-blocking": _memtrain("mt-data-blocking", (world, 1, 1, 1), grad_sync="blocking"),
         "fsdp2": FSDP2Variant,
         "mt-z": _memtrain("mt-z", (1, 1, 1, world)),
         "mt-z+ov": _memtrain("mt-z+ov", (1, 1, 1, world), use_overlap=True),
@@ -382,6 +308,7 @@ def worker(rank, world, args):
             e[2] += 1
         out["ledger"][n] = led or {k: [v[0], v[1], None] for k, v in variants[n].comm_model().items()}
         out["memory"][n] = param_opt_bytes(variants[n].model, variants[n].opt)
+    out["z_gather"] = z_gather_bytes(variants, names, out["ledger"])
     parallel.LEDGER.reset()
 
     # Warm-up then timed rounds, order rotated each round.
@@ -404,6 +331,25 @@ def worker(rank, world, args):
     if args.profile:
         out["profile"] = profile(variants, args.profile, rank)
     return out if rank == 0 else None
+
+
+def z_gather_bytes(variants, names, ledger) -> dict:
+    """{variant: [fp32, bf16] Z all-gather payload bytes per step} of the memtrain variants with z > 1: the fp32
+    step is the ledger step above, the bf16 one an untimed step under torch.autocast (bf16 matmuls are 15-40x
+    slower than fp32 on a CPU without bf16 units; nothing in bf16 is timed). With overlap the first bf16 step
+    only records the prefetcher's order and dtypes, the second is counted."""
+    out = {}
+    for n in names:
+        v = variants[n]
+        if v.grid is None or v.grid.z == 1:
+            continue
+        for _ in range(2 if v.use_overlap else 1):
+            parallel.LEDGER.reset()
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                v.step()
+        bf16 = sum(r.nbytes for r in parallel.LEDGER.records if (r.op, r.axes) == ("all_gather", "z"))
+        out[n] = [ledger[n]["all_gather z"][0], bf16]
+    return out
 
 
 def profile(variants, names, rank, steps=5):
@@ -433,7 +379,7 @@ def report(res, args) -> dict:
     times = res["times"]
     med = {n: statistics.median(times[n]) for n in names}
     summary = {}
-    hdr = (f"{'variant':<13} {'step ms':>8} {'IQR ms':>11} {'peer':>6} {'ratio':>6} {'paired':>7} {'target':>7} "
+    hdr = (f"{'variant':<16} {'step ms':>8} {'IQR ms':>11} {'peer':>6} {'ratio':>6} {'paired':>7} {'target':>7} "
            f"{'loss rel diff s1/s2':>20} {'params MB':>9} {'opt MB':>7}")
     print(hdr)
     print("-" * len(hdr))
@@ -452,19 +398,19 @@ def report(res, args) -> dict:
         row.update(losses=res["losses"][n], param_bytes=p_b, opt_bytes=o_b, ledger=res["ledger"][n])
         summary[n] = row
         target = TARGET.get(n)
-        print(f"{n:<13} {1e3 * med[n]:8.1f} {1e3 * q[0]:5.1f}-{1e3 * q[2]:<5.1f} {peer or '-':>6} "
+        print(f"{n:<16} {1e3 * med[n]:8.1f} {1e3 * q[0]:5.1f}-{1e3 * q[2]:<5.1f} {peer or '-':>6} "
               f"{f'{ratio:.3f}' if ratio else '-':>6} {f'{paired:.3f}' if paired else '-':>7} "
               f"{f'<={target}' if target else '':>7} "
               f"{(f'{diff[0]:.1e}/{diff[1]:.1e}' if diff else '-'):>20} {_mb(p_b):>9} {_mb(o_b):>7}")
     print("\nwhere the time goes (rank-mean, median over steps, ms): wall fwd+bwd (DDP/FSDP2: incl. their sync) "
-          "| wall sync_gradients | wall AdamW+zero_grad || CPU time of the whole step (all threads) and its ratio "
-          "to the peer's (work done, less sensitive to the machine's load than wall time)")
+          "| wall gradient sync after backward | wall AdamW+zero_grad || CPU time of the whole step (all threads) "
+          "and its ratio to the peer's (work done, less sensitive to the machine's load than wall time)")
     for n in names:
         fb, sy, op, cpu = res["phases"][n]
         summary[n]["phases_ms"] = {"fwd_bwd": 1e3 * fb, "sync": 1e3 * sy, "optimizer": 1e3 * op, "cpu": 1e3 * cpu}
         peer = PEER.get(n)
         cr = f"{cpu / res['phases'][peer][3]:.3f}" if peer in names else "-"
-        print(f"  {n:<13} {1e3 * fb:7.1f} | {1e3 * sy:6.1f} | {1e3 * op:6.1f} || {1e3 * cpu:6.1f}  {cr:>6}")
+        print(f"  {n:<16} {1e3 * fb:7.1f} | {1e3 * sy:6.1f} | {1e3 * op:6.1f} || {1e3 * cpu:6.1f}  {cr:>6}")
     bad = [n for n in names if max(summary[n].get("loss_rel_diff") or [0.0]) > LOSS_TOL]
     print(f"\nstep-1 global loss: {res['losses'][names[0]][0]:.6f}   (rel diff vs peer: step 1 = same init, "
           f"step 2 = after one synced AdamW step)")
@@ -472,24 +418,32 @@ def report(res, args) -> dict:
     for n in names:
         led = res["ledger"][n]
         if not led:
-            print(f"  {n:<13} none")
+            print(f"  {n:<16} none")
             continue
         parts = []
         for k, (payload, moved, calls) in sorted(led.items()):
             c = f" x{calls}" if calls else ""
             parts.append(f"{k}{c}: {_mb(payload)} / {_mb(moved)}")
-        print(f"  {n:<13} " + "; ".join(parts))
+        print(f"  {n:<16} " + "; ".join(parts))
         axes: dict[str, float] = {}
         for k, (_, moved, calls) in led.items():
             if calls is not None:
                 ax = k.split()[1]
                 axes[ax] = axes.get(ax, 0.0) + moved
         if axes:
-            print(f"  {'':<13} moved per axis: " + ", ".join(f"{a} {_mb(b)}" for a, b in sorted(axes.items())))
+            print(f"  {'':<16} moved per axis: " + ", ".join(f"{a} {_mb(b)}" for a, b in sorted(axes.items())))
+    if res["z_gather"]:
+        print("\nZ weight all-gather bytes per step (per rank, ledger payload), fp32 vs bf16 autocast (untimed step):")
+    for n, (fp32, bf16) in res["z_gather"].items():
+        summary[n]["z_gather_bytes"] = {"fp32": fp32, "bf16": bf16, "ratio": bf16 / fp32}
+        flag = "" if 2 * bf16 == fp32 else "   NOT HALF"
+        print(f"  {n:<16} fp32 {_mb(fp32)} MB, bf16 {_mb(bf16)} MB, ratio {bf16 / fp32:.3f}{flag}")
+        if flag:
+            bad.append(n)
     for n, table in (res.get("profile") or {}).items():
         print(f"\nprofile of {n} (rank 0, 5 steps):\n{table}")
     if bad:
-        print(f"\nLOSS MISMATCH (> {LOSS_TOL:g} relative to the peer): {', '.join(bad)}")
+        print(f"\nLOSS MISMATCH (> {LOSS_TOL:g} relative to the peer) or Z bytes not halved: {', '.join(bad)}")
     summary["_loss_mismatch"] = bad
     return summary
 

@@ -11,7 +11,9 @@ without running anything, one function per layer kind, each transcribing its lay
 ledger record for record.
 
 Dtypes, as the code casts them (pb = parameter bytes, cb = matmul bytes: 2 under bf16 autocast):
-- weight all-gathers and reduce-scatters over Z, gradient buckets: the parameter dtype;
+- weight all-gathers over Z of Linear and LM head: the matmul dtype when narrower, min(pb, cb) (the shard is
+  cast before the gather); the embedding's Z all-gather (its lookup stays in the table's dtype), the weight
+  reduce-scatters over Z and the gradient buckets: the parameter dtype;
 - matmul outputs and their gradients (Linear and LM-head reductions, easy-mode output edges): cb;
 - the embedding output and the residual stream (the input edge of an easy-mode layer fed by it): pb;
   norm statistics and the vocabulary-parallel loss: fp32; token ids and labels: int64.
@@ -98,29 +100,30 @@ class Log:
 def linear(log: Log, m: Matrix, mode: str, t: int, pb: int, cb: int, fwd: int, bwd: int) -> None:
     A, B = _axes(m, mode)
     a, b = log.grid.size(A), log.grid.size(B)
-    block = m.rows // b * (m.cols // a) * pb
+    block = m.rows // b * (m.cols // a)
+    gathered = block * min(pb, cb)  # ShardedWeight.gather_dtype: the shard is cast before the Z gather
     if mode == "sharded":  # linear.py: gather Z; y = x W^T, all-reduce A | dx all-reduce B; dW reduce-scatter Z
-        log.add("all_gather", "z", block, fwd)
+        log.add("all_gather", "z", gathered, fwd)
         log.add("all_reduce", A, t * m.rows // b * cb, fwd)
-        log.add("all_gather", "z", block, bwd)
+        log.add("all_gather", "z", gathered, bwd)
         log.add("all_reduce", B, t * m.cols // a * cb, bwd)
-        log.add("reduce_scatter", "z", block, bwd)
+        log.add("reduce_scatter", "z", block * pb, bwd)
         return
     ib = cb if m.compute_input else pb
     plane = t * a * b  # rows the x*y plane multiplies
     log.add("all_to_all", A, t * m.cols * ib, fwd + bwd)  # features -> rows, and back in backward
     log.add("all_gather", B, plane * m.cols // a * ib, fwd)
-    log.add("all_gather", "z", block, fwd + bwd)
+    log.add("all_gather", "z", gathered, fwd + bwd)
     log.add("reduce_scatter", A, plane * m.rows // b * cb, fwd)
     log.add("all_to_all", B, t * m.rows * cb, fwd + bwd)  # rows -> features, and back in backward
     log.add("all_gather", A, plane * m.rows // b * cb, bwd)
     log.add("reduce_scatter", B, plane * m.cols // a * cb, bwd)
-    log.add("reduce_scatter", "z", block, bwd)
+    log.add("reduce_scatter", "z", block * pb, bwd)
 
 
 def embedding(log: Log, shape: Shape, vocab: int, mode: str, t: int, pb: int, fwd: int, bwd: int) -> None:
     """parallel.Embedding: vocabulary over Y (its in-feature axis A), hidden over X (B). The backward needs
-    no weight, so the table is gathered once per micro-batch."""
+    no weight, so the table is gathered once per micro-batch, in the parameter dtype under autocast too."""
     g, h = log.grid, shape.hidden
     block = vocab // g.y * (h // g.x) * pb
     log.add("all_gather", "z", block, fwd)
@@ -139,8 +142,9 @@ def embedding(log: Log, shape: Shape, vocab: int, mode: str, t: int, pb: int, fw
 def lm_head(log: Log, shape: Shape, vocab: int, mode: str, t: int, pb: int, cb: int, fwd: int, bwd: int) -> None:
     """parallel.LMHead + vocabulary-parallel cross-entropy: hidden over X (A), vocabulary over Y (B)."""
     g, h = log.grid, shape.hidden
-    log.add("all_gather", "z", vocab // g.y * (h // g.x) * pb, fwd + bwd)
-    log.add("reduce_scatter", "z", vocab // g.y * (h // g.x) * pb, bwd)
+    block = vocab // g.y * (h // g.x)
+    log.add("all_gather", "z", block * min(pb, cb), fwd + bwd)  # a Linear's matmul: gathered in its dtype
+    log.add("reduce_scatter", "z", block * pb, bwd)
     if mode == "sharded":
         log.add("all_reduce", "x", t * vocab // g.y * cb, fwd)
         log.add("all_reduce", "y", t * FP32, fwd)  # max
