@@ -1,30 +1,42 @@
-"""How a sweep starts a run: the command prefix (python -m memtrain, torchrun, or a custom runner) and a
-runner that executes it with its output in the run directory."""
+"""How a sweep starts a run: the command prefix (python -m memtrain, torchrun, or a custom runner), the run
+directory it trains into, and a runner that executes it with its output in that directory. (Cluster
+launchers, slurm and submitit-local: experiments/slurm.py.)"""
 
 from __future__ import annotations
 
 import os
 import re
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+from memtrain.files import write_atomic
+
+if TYPE_CHECKING:
+    from memtrain.config import RunConfig
 
 # A runner executes one command for a run directory and returns (exit code, last stderr line or None).
 Runner = Callable[[list, Path], "tuple[int, str | None]"]
 
+LAUNCHERS = ("local", "torchrun", "slurm", "submitit-local")
+CLUSTER_LAUNCHERS = ("slurm", "submitit-local")
+
 
 def default_command(launcher: str = "local", nproc: int = 1, runner: str | None = None) -> list[str]:
-    """The command prefix a `train --config ... --out ...` tail is appended to."""
+    """The command prefix a `train --config ... --out ...` tail is appended to (with a cluster launcher: what each
+    task of a job runs, one task per rank)."""
+    if launcher not in LAUNCHERS:
+        raise ValueError(f"--launcher {launcher!r} is invalid: use one of {', '.join(LAUNCHERS)}")
     if runner:
         return shlex.split(runner)
     if launcher == "torchrun":
         return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
                 "-m", "memtrain"]
-    if launcher != "local":
-        raise ValueError(f"--launcher {launcher!r} is invalid: use 'local' or 'torchrun'")
     return [sys.executable, "-m", "memtrain"]
 
 
@@ -36,9 +48,8 @@ def last_line(text: str) -> str | None:
     return None
 
 
-def subprocess_runner(cmd: list, log_dir: Path) -> tuple[int, str | None]:
-    """Run `cmd`, stdout and stderr to log_dir/{stdout,stderr}.log; a kill of the sweep stops it too."""
-    log_dir.mkdir(parents=True, exist_ok=True)
+def run_env() -> dict[str, str]:
+    """The environment a run starts with: this one, offline hub access and unbuffered output unless set."""
     env = dict(os.environ)
     env.setdefault("PYTHONUNBUFFERED", "1")
     env.setdefault("HF_HUB_OFFLINE", "1")
@@ -47,8 +58,15 @@ def subprocess_runner(cmd: list, log_dir: Path) -> tuple[int, str | None]:
     # Idle OpenMP threads sleep instead of spinning: on a shared or oversubscribed CPU, spinning threads
     # made small runs 4-20x slower here (a 7 s run took 47-238 s); on an idle machine it costs little.
     env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    return env
+
+
+def subprocess_runner(cmd: list, log_dir: Path) -> tuple[int, str | None]:
+    """Run `cmd`, stdout and stderr to log_dir/{stdout,stderr}.log; a kill of the sweep stops it too."""
+    log_dir.mkdir(parents=True, exist_ok=True)
+    env = run_env()
     with open(log_dir / "stdout.log", "wb") as out, open(log_dir / "stderr.log", "wb") as err:
-        proc = subprocess.Popen([str(c) for c in cmd], stdout=out, stderr=err, env=env, preexec_fn=_die_with_parent)
+        proc = subprocess.Popen([str(c) for c in cmd], stdout=out, stderr=err, env=env, preexec_fn=die_with_parent)
         try:
             rc = proc.wait()
         except BaseException:
@@ -63,7 +81,7 @@ def subprocess_runner(cmd: list, log_dir: Path) -> tuple[int, str | None]:
     return rc, (last_line(tail) if rc != 0 else None)
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     """In the child, before exec: ask Linux for SIGTERM when the sweep dies, even by SIGKILL (which no handler
     sees), so a killed sweep leaves no trainer running into a directory its --resume will reuse."""
     try:
@@ -77,3 +95,20 @@ def _die_with_parent() -> None:
 def train_tail(config: Path, out: Path, resume: bool = False) -> list[str]:
     return ["train", "--config", str(config), "--out", str(out)] + (["--resume"] if resume else [])
 
+
+
+def prepare_run_dir(run_dir: Path, cfg: RunConfig, resume: bool) -> bool:
+    """Write the run's config.toml; True if a checkpoint of this exact config lets the run resume."""
+    from memtrain.config import to_toml  # not at the top: a job's task imports this module, and needs no torch
+
+    text = to_toml(cfg)
+    if run_dir.exists():
+        same = (run_dir / "config.toml").is_file() and (run_dir / "config.toml").read_text() == text
+        if resume and same and (run_dir / "checkpoints" / "latest").is_file():
+            for name in ("eval.json", "eval_canaries.jsonl"):
+                (run_dir / name).unlink(missing_ok=True)
+            return True
+        shutil.rmtree(run_dir)  # leftovers of an interrupted or older run of this point
+    run_dir.mkdir(parents=True)
+    write_atomic(run_dir / "config.toml", text)
+    return False

@@ -59,6 +59,8 @@ class Spec:
     keep_checkpoints: bool = True
     jobs: int = 1
     """Points run side by side on this machine (each with its share of the cores)."""
+    slurm: dict = field(default_factory=dict)
+    """Defaults of the cluster launchers (section [slurm]: experiments/slurm_options.py's ClusterOptions keys)."""
     source: str = ""
 
 
@@ -102,10 +104,10 @@ def load_spec(spec: str | Path) -> Spec:
 
 
 def parse_spec(raw: dict, source: str = "<dict>") -> Spec:
-    unknown = set(raw) - {"sweep", "base", "axes", "pretrain"}
+    unknown = set(raw) - {"sweep", "base", "axes", "pretrain", "slurm"}
     if unknown:
         raise ValueError(f"sweep spec {source}: unknown section(s) {sorted(unknown)}: use [sweep], [base], "
-                         "[axes], [pretrain]")
+                         "[axes], [pretrain], [slurm]")
     sw = dict(raw.get("sweep", {}))
     name = sw.pop("name", None) or (Path(source).stem if source.endswith(".toml") else "sweep")
     if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", name):
@@ -119,6 +121,9 @@ def parse_spec(raw: dict, source: str = "<dict>") -> Spec:
     if isinstance(spec.jobs, bool) or not isinstance(spec.jobs, int) or spec.jobs < 1:
         raise ValueError(f"sweep spec {source}: jobs = {spec.jobs!r} is invalid: use an integer >= 1")
     spec.pretrain = _pretrain_spec(raw.get("pretrain", {}), source)
+    from .slurm_options import options_from_spec
+
+    spec.slurm = options_from_spec(raw.get("slurm", {}), source)
     from_dict(copy.deepcopy(spec.base))  # validate the base early: a typo fails before any run starts
     for key, values in spec.axes.items():
         _axis_key(key)

@@ -4,6 +4,7 @@
     memtrain sweep my_sweep.toml --set train.lr=3e-4 --out runs/mine
     memtrain sweep quick --resume                         # run only points without a finished result
     memtrain sweep quick --list                           # print the points and exit
+    memtrain sweep paper --launcher slurm --partition gpu # each point a SLURM job (experiments/slurm.py)
     python -m experiments.sweep quick ...                 # the same without the console script
 
 A sweep spec is a TOML file:
@@ -27,12 +28,16 @@ A sweep spec is a TOML file:
     lr = 3e-3
     corpus = "disjoint"                 # see PretrainSpec
 
+    [slurm]                             # defaults of --launcher slurm (its options win): see ClusterOptions
+    gpus_per_node = 8
+    time = "24:00:00"
+
 Every point runs `python -m memtrain train --config RUN_DIR/config.toml --out RUN_DIR` (or under
-torchrun) in its own directory <out>/<point-id>, and appends one line to <out>/results.jsonl when it
-ends: its axes, status, run and base directories, the eval.json contents, final training metrics and a
-compact per-canary list. The file is only ever appended to (and flushed), never rewritten; a failed run
-is recorded with the last line of its stderr and the sweep goes on. The report (experiments.report) is
-drawn from results.jsonl alone at the end.
+torchrun, or as a SLURM job: experiments/slurm.py) in its own directory <out>/<point-id>, and appends one
+line to <out>/results.jsonl when it ends: its axes, status, run and base directories, the eval.json
+contents, final training metrics and a compact per-canary list. The file is only ever appended to (and
+flushed), never rewritten; a failed run is recorded with the last line of its stderr and the sweep goes on.
+The report (experiments.report) is drawn from results.jsonl alone at the end.
 
 Base models: a fine-tuning study needs a trained model to start from. Offline, the sweep pretrains one
 per model size on a corpus WITHOUT canaries, cached under <cache>/base/<hash> (cache = data.cache_dir,
@@ -57,12 +62,21 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from memtrain.cli import ArgumentParser, fail, positive_int
-from memtrain.config import RunConfig, to_toml
+from memtrain.config import RunConfig
 from memtrain.files import file_lock, write_atomic
 from memtrain.models import param_count
 
+from . import slurm, slurm_options
 from .base_models import BaseModelError, BaseModels
-from .launch import Runner, default_command, subprocess_runner, train_tail
+from .launch import (
+    CLUSTER_LAUNCHERS,
+    LAUNCHERS,
+    Runner,
+    default_command,
+    prepare_run_dir,
+    subprocess_runner,
+    train_tail,
+)
 from .results import RESULTS, append_result, latest_by_point, make_record, now, read_results
 from .spec import Point, Spec, apply_spec_overrides, expand, load_spec, presets, select, split_overrides
 
@@ -73,23 +87,30 @@ from .spec import Point, Spec, apply_spec_overrides, expand, load_spec, presets,
 def run_sweep(spec: Spec, out_dir: str | Path | None = None, *, overrides: list[str] | None = None,
               resume: bool = False, launcher: str = "local", nproc: int = 1, wandb_mode: str | None = None,
               runner: str | None = None, run_fn: Runner | None = None, report: bool = True, only: str | None = None,
-              jobs: int | None = None, log=print) -> dict:
+              jobs: int | None = None, cluster: slurm_options.ClusterOptions | None = None, wait: bool = True,
+              log=print) -> dict:
     """Run every point of `spec` not already finished (only those whose id matches the regular expression
-    `only`, if given), `jobs` at a time (default: the spec's); returns {ok, failed, skipped, results, out, report}."""
+    `only`, if given), `jobs` at a time (default: the spec's; with a cluster launcher, jobs queued or running,
+    default all); returns {ok, failed, skipped, pending, results, out, report}. A cluster launcher (slurm,
+    submitit-local) takes `cluster` over the spec's [slurm] section; `wait=False` submits and returns."""
     run_over, pre_over, sw_over = split_overrides(list(overrides or []))
     spec = copy.deepcopy(spec)
     apply_spec_overrides(spec, pre_over, sw_over)
     points = select(expand(spec, run_over, wandb_mode), only)
     out = Path(out_dir) if out_dir else Path("runs") / spec.name
-    out.mkdir(parents=True, exist_ok=True)
-    jobs = jobs or spec.jobs
-    if jobs > 1:  # runs report from threads: one line at a time
-        log = _serialized(log)
-    if jobs < 1:
+    on_cluster = launcher in CLUSTER_LAUNCHERS
+    opts = slurm_options.merge(spec.slurm, cluster) if on_cluster else None
+    if opts is not None:
+        slurm_options.check(opts, launcher)
+    jobs = jobs or (None if on_cluster else spec.jobs)
+    if jobs is not None and jobs < 1:
         raise ValueError(f"--jobs {jobs} is invalid: run at least 1 point at a time")
-    with _exclusive(out / ".sweep.lock"), _threads_per_job(jobs):
+    if on_cluster or jobs > 1:  # runs report from threads: one line at a time
+        log = _serialized(log)
+    out.mkdir(parents=True, exist_ok=True)
+    with _exclusive(out / ".sweep.lock"), _threads_per_job(1 if on_cluster else jobs):
         return _run_points(spec, points, out, overrides=overrides, resume=resume, launcher=launcher, nproc=nproc,
-                           runner=runner, run_fn=run_fn, report=report, jobs=jobs, log=log)
+                           runner=runner, run_fn=run_fn, report=report, jobs=jobs, opts=opts, wait=wait, log=log)
 
 
 def _serialized(log):
@@ -129,16 +150,21 @@ def _exclusive(path: Path):
 
 
 def _run_points(spec: Spec, points: list[Point], out: Path, *, overrides, resume, launcher, nproc, runner, run_fn,
-                report, jobs, log) -> dict:
+                report, jobs, opts, wait, log) -> dict:
     results = out / RESULTS
     previous = latest_by_point(read_results(results))
     if previous and not resume:
         raise FileExistsError(f"{str(results)!r} already holds {len(previous)} result(s): pass --resume to run "
                               "only the missing points, or choose another --out")
+    submitted = [p.id for p in points if (out / p.id / slurm.JOB_FILE).is_file()]
+    if submitted and not resume:
+        raise FileExistsError(f"{str(out)!r} holds the jobs of an earlier sweep ({', '.join(submitted[:3])}): "
+                              "pass --resume to collect them and run only the missing points, or choose another --out")
     write_atomic(out / "sweep.json", json.dumps({
         "name": spec.name, "description": spec.description, "source": spec.source, "overrides": overrides or [],
-        "launcher": launcher, "nproc": nproc, "pretrain": dataclasses.asdict(spec.pretrain),
-        "axes": spec.axes, "points": [p.id for p in points], "written": now()}, indent=1, default=str))
+        "launcher": launcher, "nproc": nproc, "cluster": dataclasses.asdict(opts) if opts else None,
+        "pretrain": dataclasses.asdict(spec.pretrain), "axes": spec.axes, "points": [p.id for p in points],
+        "written": now()}, indent=1, default=str))
 
     todo = []
     for p in points:
@@ -159,6 +185,26 @@ def _run_points(spec: Spec, points: list[Point], out: Path, *, overrides, resume
     failed: list[str] = []
     lock = threading.Lock()
 
+    def finish(p: Point, record: dict) -> None:
+        """Append a finished run's record (as it ends: the results file is the sweep's progress) and say so."""
+        run_dir = Path(record["run_dir"])
+        with lock:
+            append_result(results, record)
+            if record["status"] != "ok":
+                failed.append(p.id)
+            elif p.id in failed:  # failed, then collected again and ok (cluster sweeps)
+                failed.remove(p.id)
+        if record["status"] == "ok":
+            if not spec.keep_checkpoints:
+                shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
+            ev = record["eval"] or {}
+            log(f"{p.id}: ok in {record['seconds']:.0f}s  params={_num(record['params'])}  "
+                f"exact={_num(ev.get('exact_match_rate'))}  rougeL={_num(ev.get('rougeL'))}  "
+                f"mia_auc={_num(ev.get('mia_auc_loss'))}  val_loss={_num(ev.get('val_loss'))}")
+        else:
+            where = "" if "[log:" in (record["error"] or "") else f"  [logs: {run_dir}]"
+            log(f"{p.id}: FAILED after {record['seconds']:.0f}s: {record['error']}{where}")
+
     def run_point(p: Point) -> None:
         run_dir = out / p.id
         started, t0 = now(), time.time()
@@ -169,7 +215,7 @@ def _run_points(spec: Spec, points: list[Point], out: Path, *, overrides, resume
                 base_dir = bases.get(p.cfg)
                 p.cfg.model.init = str(base_dir)
             started, t0 = now(), time.time()  # the run's own time, without building its base model
-            resume_run = _prepare_run_dir(run_dir, p, resume)
+            resume_run = prepare_run_dir(run_dir, p.cfg, resume)
             with lock:
                 launched.append(p.id)
                 i = len(launched)
@@ -181,22 +227,13 @@ def _run_points(spec: Spec, points: list[Point], out: Path, *, overrides, resume
             status, error = "failed", str(e)
             shutil.rmtree(run_dir, ignore_errors=True)  # no stale files of an older run in this record
             run_dir.mkdir(parents=True)
-        record = make_record(spec.name, p, run_dir, base_dir, status, error, started, time.time() - t0)
-        with lock:
-            append_result(results, record)
-            if record["status"] != "ok":
-                failed.append(p.id)
-        if record["status"] == "ok":
-            if not spec.keep_checkpoints:
-                shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
-            ev = record["eval"] or {}
-            log(f"{p.id}: ok in {record['seconds']:.0f}s  params={_num(record['params'])}  "
-                f"exact={_num(ev.get('exact_match_rate'))}  rougeL={_num(ev.get('rougeL'))}  "
-                f"mia_auc={_num(ev.get('mia_auc_loss'))}  val_loss={_num(ev.get('val_loss'))}")
-        else:
-            log(f"{p.id}: FAILED after {record['seconds']:.0f}s: {record['error']}  [logs: {run_dir}]")
+        finish(p, make_record(spec.name, p, run_dir, base_dir, status, error, started, time.time() - t0))
 
-    if jobs == 1:
+    pending: list[str] = []
+    if opts is not None:
+        pending = slurm.run_points(spec, todo, out, launcher=launcher, opts=opts, prefix=command, resume=resume,
+                                   limit=jobs, wait=wait, finish=finish, results=results, log=log)
+    elif jobs == 1:
         for p in todo:
             run_point(p)
     else:  # biggest first, so that the last runs to finish are short ones
@@ -207,11 +244,13 @@ def _run_points(spec: Spec, points: list[Point], out: Path, *, overrides, resume
                          for p in order if not p.cfg.model.init}
                 list(pool.map(lambda p: _build_base(bases, p), first.values()))
             list(pool.map(run_point, order))
-    ok = len(todo) - len(failed)
-    log(f"sweep {spec.name}: {ok} ok, {len(failed)} failed, {skipped} skipped; results: {results}")
-    summary = {"ok": ok, "failed": len(failed), "failed_ids": sorted(failed), "skipped": skipped, "results": results,
-               "out": out}
-    if report and results.is_file():
+    failed = [i for i in failed if i not in pending]  # a failed job collected and submitted again is pending
+    ok = len(todo) - len(failed) - len(pending)
+    waiting = f", {len(pending)} queued, running or not yet submitted (collect them with --resume)" if pending else ""
+    log(f"sweep {spec.name}: {ok} ok, {len(failed)} failed, {skipped} skipped{waiting}; results: {results}")
+    summary = {"ok": ok, "failed": len(failed), "failed_ids": sorted(failed), "skipped": skipped,
+               "pending": sorted(pending), "results": results, "out": out}
+    if report and results.is_file() and not pending:
         summary["report"] = _report(out, points[0].cfg if points else None, log)
     return summary
 
@@ -226,21 +265,6 @@ def _size(model: str) -> int:
 def _build_base(bases: BaseModels, p: Point) -> None:
     with contextlib.suppress(BaseModelError):  # remembered by `bases`: the point that needs it fails with it
         bases.get(p.cfg)
-
-
-def _prepare_run_dir(run_dir: Path, p: Point, resume: bool) -> bool:
-    """Write the run's config.toml; True if a checkpoint of this exact config lets the run resume."""
-    text = to_toml(p.cfg)
-    if run_dir.exists():
-        same = (run_dir / "config.toml").is_file() and (run_dir / "config.toml").read_text() == text
-        if resume and same and (run_dir / "checkpoints" / "latest").is_file():
-            for name in ("eval.json", "eval_canaries.jsonl"):
-                (run_dir / name).unlink(missing_ok=True)
-            return True
-        shutil.rmtree(run_dir)  # leftovers of an interrupted or older run of this point
-    run_dir.mkdir(parents=True)
-    write_atomic(run_dir / "config.toml", text)
-    return False
 
 
 def _num(v) -> str:
@@ -294,11 +318,13 @@ def build_parser(preset: str | None = None, prog: str = "memtrain sweep",
     ap.add_argument("--out", default=None, help="the sweep's directory (default runs/<sweep name>)")
     ap.add_argument("--resume", action="store_true",
                     help="run only points without a finished result (failed points are retried)")
-    ap.add_argument("--launcher", choices=("local", "torchrun"), default="local",
-                    help="local: one process per run; torchrun: torchrun --standalone --nproc-per-node N")
-    ap.add_argument("--nproc", type=positive_int, default=1, help="processes per run with --launcher torchrun")
+    ap.add_argument("--launcher", choices=LAUNCHERS, default="local",
+                    help="local: one process per run; torchrun: torchrun --standalone --nproc-per-node N; slurm: "
+                         "each point a SLURM job of its nodes and GPUs; submitit-local: the same jobs on this machine")
+    ap.add_argument("--nproc", type=positive_int, default=None, help="processes per run with --launcher torchrun")
     ap.add_argument("--jobs", type=positive_int, default=None,
-                    help="points run side by side, each with its share of the cores (default: the spec's, or 1)")
+                    help="points run side by side, each with its share of the cores (default: the spec's, or 1); "
+                         "with slurm: jobs queued or running at once (default: all)")
     ap.add_argument("--wandb", choices=("auto", "online", "offline", "disabled"), default=None,
                     help="W&B mode of every run (default: the spec's wandb.mode, 'auto')")
     ap.add_argument("--runner", default=None,
@@ -307,6 +333,7 @@ def build_parser(preset: str | None = None, prog: str = "memtrain sweep",
                     help="run only the points whose id matches (e.g. one model size per launcher)")
     ap.add_argument("--no-report", action="store_true", help="do not draw the report at the end")
     ap.add_argument("--list", action="store_true", help="print the points of the sweep and exit")
+    slurm_options.add_arguments(ap)
     return ap
 
 
@@ -316,6 +343,15 @@ def main(argv: list[str] | None = None, parser: argparse.ArgumentParser | None =
         signal.signal(signal.SIGTERM, _terminate)  # like Ctrl-C: the running child is stopped too
     try:
         spec = load_spec(args.spec)
+        cluster = slurm_options.options_from_args(args)
+        if args.dry_run:
+            run_over, pre_over, sw_over = split_overrides(args.overrides)
+            apply_spec_overrides(spec, pre_over, sw_over)
+            points = select(expand(spec, run_over, args.wandb), args.only)
+            out = Path(args.out) if args.out else Path("runs") / spec.name
+            print(slurm.dry_run(spec, points, out, slurm_options.merge(spec.slurm, cluster),
+                                default_command("slurm", 1, args.runner)))
+            return 0
         if args.list:
             run_over, pre_over, sw_over = split_overrides(args.overrides)
             apply_spec_overrides(spec, pre_over, sw_over)
@@ -327,10 +363,12 @@ def main(argv: list[str] | None = None, parser: argparse.ArgumentParser | None =
                 print(f"  {p.id}  " + "  ".join(f"{k}={json.dumps(v)}" for k, v in p.axes.items()))
             return 0
         summary = run_sweep(spec, args.out, overrides=args.overrides, resume=args.resume, launcher=args.launcher,
-                            nproc=args.nproc, wandb_mode=args.wandb, runner=args.runner,
-                            report=not args.no_report, only=args.only, jobs=args.jobs)
+                            nproc=args.nproc or 1, wandb_mode=args.wandb, runner=args.runner,
+                            report=not args.no_report, only=args.only, jobs=args.jobs, cluster=cluster,
+                            wait=not args.no_wait)
     except KeyboardInterrupt:
-        print("\ninterrupted: finished runs are in results.jsonl; continue with --resume", file=sys.stderr)
+        jobs = " (submitted jobs go on: --resume collects them)" if args.launcher == "slurm" else ""
+        print(f"\ninterrupted: finished runs are in results.jsonl{jobs}; continue with --resume", file=sys.stderr)
         return 130
     except (ValueError, OSError) as e:
         return fail(str(e))

@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 # Stands in for `python -m memtrain`: `train --config C --out D [--resume]` writes the files of a run.
 FAKE = textwrap.dedent('''
-    import json, os, signal, sys
+    import json, os, signal, sys, time
     from pathlib import Path
     try:
         import tomllib
@@ -39,7 +39,12 @@ FAKE = textwrap.dedent('''
     pretrain = cfg["canaries"].get("number", 8) == 0  # base models train on text alone
     with open(os.environ["FAKE_LOG"], "a") as f:
         f.write(json.dumps({"name": name, "pretrain": pretrain, "resume": "--resume" in args,
+                            "rank": os.environ.get("SLURM_PROCID", os.environ.get("RANK")),
                             "init": cfg["model"].get("init"), "config": cfg}) + "\\n")
+    if os.environ.get("FAKE_SLEEP") and "--resume" not in args:  # a long run: a checkpoint first, then time
+        (out / "checkpoints").mkdir(parents=True, exist_ok=True)
+        (out / "checkpoints" / "latest").write_text("step_000001")
+        time.sleep(float(os.environ["FAKE_SLEEP"]))
     if name in os.environ.get("FAKE_FAIL", "").split(","):
         print("  5%|##  | 1/20 [00:01<00:19, loss=7.1]\\rTraceback (most recent call last):", file=sys.stderr)
         print(f"ValueError: planned failure of {name}", file=sys.stderr)
@@ -89,7 +94,7 @@ def env(tmp_path, monkeypatch):
     monkeypatch.setenv("FAKE_LOG", str(log))
     monkeypatch.setenv("MEMTRAIN_CACHE", str(tmp_path / "cache"))
     monkeypatch.setenv("WANDB_MODE", "disabled")
-    for var in ("FAKE_FAIL", "FAKE_KILL", "FAKE_KILL_MARK"):
+    for var in ("FAKE_FAIL", "FAKE_KILL", "FAKE_KILL_MARK", "FAKE_SLEEP"):
         monkeypatch.delenv(var, raising=False)
     return {"tmp": tmp_path, "runner": f"{sys.executable} {fake}", "spec": spec, "log": log}
 
