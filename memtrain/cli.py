@@ -65,7 +65,7 @@ def _eval(args) -> None:
 def _export(args) -> None:
     from memtrain.hf.export import export
 
-    ckpt, out = export(args.source, args.out)
+    ckpt, out = export(args.source, args.out, max_shard_bytes=int(args.max_shard_gb * 2**30))
     print(f"exported {ckpt} to {out}")
 
 
@@ -82,10 +82,10 @@ def _config(args) -> None:
     print(describe())
 
 
-def _plan(argv) -> None:
+def _plan(argv) -> int | None:
     from memtrain.plan.cli import main
 
-    main(argv)
+    return main(argv)  # `plan --validate` exits 1 when the planner disagrees with the dry run
 
 
 def registered() -> dict:
@@ -117,6 +117,8 @@ def main(argv: list[str] | None = None) -> int:
     x = sub.add_parser("export", help="write a run's model and tokenizer as a transformers directory")
     x.add_argument("source", metavar="RUN_OR_CHECKPOINT", help="run directory (its latest checkpoint) or a checkpoint")
     x.add_argument("--out", required=True, help="directory for from_pretrained (new, empty, or an earlier export)")
+    x.add_argument("--max-shard-gb", type=positive_float, default=5.0,
+                   help="largest weights file; a larger model is split as save_pretrained does (default 5)")
     x.set_defaults(fn=_export)
     sub.add_parser("models", help="list model names").set_defaults(fn=_models)
     sub.add_parser("config", help="every config key with its default and meaning").set_defaults(fn=_config)
@@ -170,5 +172,18 @@ def positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"{value} is invalid: use an integer >= 1")
     return value
 
+
+def positive_float(text: str) -> float:
+    """An argparse type for sizes that must be > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"{value} is invalid: use a number > 0")
+    return value
+
+
 if __name__ == "__main__":
     sys.exit(main())
+

@@ -3,6 +3,12 @@
     memtrain plan --model llama-3.1-405b --gpus 4096 --machine frontier
     torchrun --nproc-per-node 8 -m memtrain plan --measure --out bw.json    # this machine's bandwidths
     memtrain plan --model ladder-100m --gpus 8 --bandwidth bw.json --json plan.json
+    memtrain plan --validate --model llama-3.1-405b --gpus 4096 --grid=-1,4,8,16 --batch 128 --micro-batch 1 \
+        --activation-checkpointing        # one step of that grid, simulated as one of 4,096 ranks (dryrun.py)
+
+--validate runs one training step of one grid (--grid, default the planner's best) on a fake process group at
+the full world size, with the model on fake tensors, and checks the planner's per-rank memory and every
+collective against what the engine really issues: exit 0 when every exact figure is equal, 1 when one differs.
 """
 
 from __future__ import annotations
@@ -15,9 +21,10 @@ from memtrain.cli import ArgumentParser, positive_int
 from memtrain.files import write_atomic
 from memtrain.plan.network import DEFAULT_MACHINE, load_network, measure
 from memtrain.plan.search import PlanConfig, plan, table, to_json
+from parallel import resolve_degrees
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int | None:
     ap = ArgumentParser(prog="memtrain plan", description=__doc__.splitlines()[0])
     ap.add_argument("--model", help="named model or local HF directory")
     ap.add_argument("--gpus", type=positive_int, help="number of GPUs (ranks) N")
@@ -33,8 +40,18 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--bandwidth", help="bandwidth table: JSON from --measure, or TOML with machines.toml's keys")
     ap.add_argument("--gpus-per-node", type=positive_int)
     ap.add_argument("--gpu-memory-gb", type=float)
+    ap.add_argument("--validate", action="store_true",
+                    help="dry-run one step of a grid at full scale and check the planner's figures against it")
+    ap.add_argument("--grid", help="--validate: DATA,X,Y,Z, one of them -1 to infer (--grid=-1,4,8,16); "
+                                   "default the best plan's grid")
+    ap.add_argument("--rank", type=int, default=0, help="--validate: the rank simulated (default 0)")
+    ap.add_argument("--grad-sync", choices=("overlap", "blocking"),
+                    help="--validate: the trainer's gradient sync (default the trainer's, parallel.grad_sync, when "
+                         "the planner models it, else blocking)")
+    ap.add_argument("--steps", type=positive_int, default=1,
+                    help="--validate: steps to run; the last is measured (default 1)")
     ap.add_argument("--top", type=positive_int, default=10, help="rows to print (default 10)")
-    ap.add_argument("--json", help="write every fitting grid, ranked, to this JSON file")
+    ap.add_argument("--json", help="write every fitting grid, ranked (--validate: the dry run), to this JSON file")
     ap.add_argument("--measure", action="store_true", help="measure this machine's collectives (under torchrun)")
     ap.add_argument("--out", default="bandwidth.json", help="--measure: where to write the table")
     ap.add_argument("--sizes-mb", default="0.25,1,4", help="--measure: message sizes in MiB")
@@ -50,6 +67,11 @@ def main(argv: list[str] | None = None) -> None:
     net = load_network(args.machine, args.bandwidth, args.gpus_per_node, args.gpu_memory_gb)
     cfg = PlanConfig(args.model, args.gpus, args.batch, args.seq, args.micro_batch, args.mode, args.precision,
                      activation_checkpointing=args.activation_checkpointing)
+    if args.validate:
+        return validate(args, cfg, net, start)
+    for flag in ("grid", "grad_sync"):
+        if getattr(args, flag) is not None:
+            raise ValueError(f"--{flag.replace('_', '-')} applies to --validate only: add --validate")
     plans, summary = plan(cfg, net)
     print(f"{cfg.model} on {cfg.gpus} GPUs, {summary['mode']} mode, batch {cfg.batch} x {cfg.seq} tokens, "
           f"{cfg.precision}{', activation checkpointing' if cfg.activation_checkpointing else ''}; {net.name}: "
@@ -62,3 +84,45 @@ def main(argv: list[str] | None = None) -> None:
         write_atomic(args.json, json.dumps(to_json(plans, summary, cfg, net), indent=1) + "\n")
         print(f"wrote {args.json}")
     print(f"planned in {time.perf_counter() - start:.1f} s")
+
+
+def parse_grid(text: str, gpus: int) -> tuple[int, int, int, int]:
+    """'DATA,X,Y,Z' (one may be -1) -> degrees whose product is gpus."""
+    parts = text.split(",")
+    try:
+        degrees = [int(p) for p in parts]
+    except ValueError:
+        degrees = []
+    if len(degrees) != 4:
+        raise ValueError(f"--grid {text!r} is invalid: give DATA,X,Y,Z, e.g. -1,4,8,16 (data inferred)")
+    return resolve_degrees(gpus, *degrees)
+
+
+def validate(args, cfg: PlanConfig, net, start: float) -> int:
+    """`plan --validate`: the dry run of one grid against the planner; 1 when an exact figure differs."""
+    from memtrain.config import ParallelConfig
+    from memtrain.plan import dryrun
+
+    cfg.batch = cfg.batch or cfg.gpus
+    if args.grid:
+        grid = parse_grid(args.grid, cfg.gpus)
+    else:
+        plans, _ = plan(cfg, net)
+        grid = plans[0].grid
+        print(f"validating the best plan's grid: data={grid[0]} x={grid[1]} y={grid[2]} z={grid[3]}")
+    cfg.micro_batch = dryrun.choose_micro(cfg, grid, net)
+    trainer, modelled = getattr(ParallelConfig(), "grad_sync", None), dryrun.default_grad_sync()
+    if args.grad_sync is None and modelled != trainer:
+        print(f"the planner models grad_sync={modelled} (the trainer's default is {trainer}): validating that; "
+              f"--grad-sync {trainer} runs the other")
+    run = dryrun.dry_run(cfg, grid, rank=args.rank, grad_sync=args.grad_sync, steps=args.steps)
+    print(dryrun.header(run))
+    print(dryrun.table(run))
+    if args.json:
+        write_atomic(args.json, json.dumps(dryrun.to_json(run), indent=1) + "\n")
+        print(f"wrote {args.json}")
+    s = run.seconds
+    print(f"{'every exact figure equal' if run.ok else 'MISMATCH: the planner differs from the engine'}; "
+          f"dry run in {time.perf_counter() - start:.1f} s (step {s['step']:.1f} s, activations "
+          f"{s['activations']:.1f} s, model {s['model']:.1f} s, grid {s['grid']:.2f} s)")
+    return 0 if run.ok else 1
