@@ -18,9 +18,7 @@ running the code itself, as one representative rank of the real world size would
 Fake tensors hold no values, so the few values the step reads are supplied: a scalar read (`.item()`,
 `float()`, a Python `if` on a tensor) gives 1 (AdamW's step count after the first step, a gradient norm that
 does not clip, a mask that holds), a boolean-mask index selects every element (an upper bound; it feeds only
-local scatters), and a tensor built from a Python list (the gradient buckets' order broadcast from rank 0)
-keeps its values: every rank runs the same code, so rank 0's order is this rank's. None of these decides
-which collective runs or how many bytes it moves.
+local scatters). None of these decides which collective runs or how many bytes it moves.
 
 Reported, each beside the planner's figure:
 - the ledger of the step, record for record (op, axes, group size, payload bytes; cost.step_records), and
@@ -146,31 +144,6 @@ class _DryMode(torch._subclasses.fake_tensor.FakeTensorMode):
             return super().__torch_dispatch__(aten.empty.memory_format, types, ([t.numel(), t.dim()],),
                                               {"dtype": torch.long, "device": t.device})
         return super().__torch_dispatch__(func, types, args, kwargs)
-
-
-class _KnownValues(torch.overrides.TorchFunctionMode):
-    """A tensor built from a Python list keeps its values for `.tolist()` (rank 0's broadcast order).
-
-    FakeTensor.tolist reads `item()` of each `unbind` element: the values follow that path too. An in-place
-    change is not followed: the only one on that path is the broadcast, the identity when every rank is alike."""
-
-    def __init__(self):
-        super().__init__()
-        self.values = torch.utils.weak.WeakIdKeyDictionary()
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        name = getattr(func, "__name__", None)
-        known = self.values.get(args[0]) if args and torch.is_tensor(args[0]) else None
-        if known is not None and name in ("tolist", "item"):
-            return known if name == "item" or not isinstance(known, list) else list(known)
-        out = func(*args, **kwargs)
-        if func is torch.tensor and args and isinstance(args[0], (list, tuple)):
-            self.values[out] = list(args[0])
-        elif known is not None and name == "unbind" and kwargs.get("dim", args[1] if len(args) > 1 else 0) == 0:
-            for t, v in zip(out, known):
-                self.values[t] = v
-        return out
 
 
 def _to_fake(module: nn.Module, mode: _DryMode) -> None:
@@ -404,8 +377,7 @@ def dry_run(cfg: PlanConfig, grid: tuple[int, int, int, int], *, rank: int = 0, 
         fake = _DryMode()
         _to_fake(plm, fake)
         seconds["model"] = time.perf_counter() - t
-        known = _KnownValues()
-        with fake, known:
+        with fake:
             opt = build_optimizer(plm, RunConfig())
             ids = torch.zeros(cfg.batch, cfg.seq, dtype=torch.long)
             keep = torch.ones(cfg.batch, cfg.seq, dtype=torch.bool)
