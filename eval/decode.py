@@ -9,6 +9,10 @@ stepper owns the cache format, so a sharded model from `parallel/` only has to p
 the loop here never looks inside the cache. A stepper may also define `new_cache(batch_size, max_len)`
 to hand the first call a pre-sized cache (otherwise the first call receives `cache=None`).
 
+A model that must run these loops itself (a sharded model whose ranks act in lockstep, each decoding its
+share of the rows) subclasses `Evaluable`; `greedy_decode` and `sequence_logprobs`, and so every metric of
+this package, hand it the whole request.
+
 `HFStepper` adapts any transformers causal LM. Its output equals `model.generate(do_sample=False,
 max_new_tokens=n)` token for token when generation does not stop early (no EOS stopping: memorization
 checks always need all n tokens). It is faster than `generate` because:
@@ -22,6 +26,7 @@ why the tokens come out bit-identical rather than merely close.
 
 from __future__ import annotations
 
+import abc
 import inspect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -76,6 +81,19 @@ if DynamicLayer is not None:
             self._filled = end
             self.keys, self.values = self._kbuf[:, :, :end], self._vbuf[:, :, :end]
             return self.keys, self.values
+
+
+class Evaluable(abc.ABC):
+    """A model that runs eval's two primitives itself, with their signatures and results; every metric here
+    accepts one where it accepts a causal LM."""
+
+    @abc.abstractmethod
+    def greedy_decode(self, prefixes: Sequence[Sequence[int]], n_new: int, batch_size: int = 64,
+                      pad_id: int = 0) -> torch.Tensor: ...
+
+    @abc.abstractmethod
+    def sequence_logprobs(self, token_lists: Sequence[Sequence[int]], batch_size: int = 32,
+                          with_stats: bool = False, pad_id: int = 0) -> SeqLogprobs: ...
 
 
 def _accepts(fn, name: str) -> bool:
@@ -192,6 +210,8 @@ def greedy_decode(model_or_step, prefixes: Sequence[Sequence[int]], n_new: int, 
     Prefixes are grouped by length (stable sort) so batches carry little padding; equal-length inputs
     keep their order, so batches are exactly consecutive slices of the input.
     """
+    if isinstance(model_or_step, Evaluable):
+        return model_or_step.greedy_decode(prefixes, n_new, batch_size=batch_size, pad_id=pad_id)
     step = as_stepper(model_or_step)
     device = _device_of(model_or_step)
     order = sorted(range(len(prefixes)), key=lambda i: len(prefixes[i]))
@@ -240,6 +260,9 @@ def sequence_logprobs(model_or_fn, token_lists: Sequence[Sequence[int]], batch_s
 
     Memory per batch is a few [batch, max_len, vocab] float tensors; lower batch_size for big vocabularies.
     """
+    if isinstance(model_or_fn, Evaluable):
+        return model_or_fn.sequence_logprobs(token_lists, batch_size=batch_size, with_stats=with_stats,
+                                             pad_id=pad_id)
     logits_fn = as_logits_fn(model_or_fn)
     device = _device_of(model_or_fn)
     n = len(token_lists)

@@ -56,7 +56,11 @@ def _train(args) -> None:
 def _eval(args) -> None:
     from memtrain.evaluate import evaluate_run
 
-    result = evaluate_run(Path(args.run), args.checkpoint)
+    if (args.run is None) == (args.run_flag is None):
+        raise ValueError("memtrain eval takes the run directory exactly once: memtrain eval RUN_DIR")
+    result = evaluate_run(Path(args.run or args.run_flag), args.checkpoint)
+    if result is None:  # a rank other than 0 of a distributed evaluation
+        return
     keys = ("exact_match_rate", "token_match", "rougeL", "pythia_32_score", "exposure_mean", "mia_auc_loss",
             "val_loss")
     print(" ".join(f"{k}={result[k]:.4g}" if isinstance(result[k], float) else f"{k}={result[k]}" for k in keys))
@@ -110,8 +114,11 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--resume", action="store_true", help="continue from the run directory's latest checkpoint")
     t.add_argument("--force", action="store_true", help="replace another run's files in --out (fresh runs refuse)")
     t.set_defaults(fn=_train)
-    e = sub.add_parser("eval", help="re-run memorization evaluation of a finished run")
-    e.add_argument("--run", required=True, help="run directory written by `memtrain train`")
+    e = sub.add_parser("eval", help="re-run memorization evaluation of a finished run (one process, torchrun or srun)")
+    e.add_argument("run", nargs="?", help="run directory written by `memtrain train`")
+    # The flag spelling stays for scripts; after torchrun's `-m memtrain` only the positional parses (torchrun
+    # reads `--run` as an abbreviation of its own --run-path).
+    e.add_argument("--run", dest="run_flag", metavar="RUN", help="the same, as a flag")
     e.add_argument("--checkpoint", help="checkpoint directory (default: the run's latest)")
     e.set_defaults(fn=_eval)
     x = sub.add_parser("export", help="write a run's model and tokenizer as a transformers directory")

@@ -1,15 +1,17 @@
 """Evaluate a trained run's memorization of its canaries: extraction, exposure, MIA, validation loss.
 
     pass_scores(model, stream, cfg)    # during training, after every pass (collective, on the grid)
-    evaluate_after(cfg, result)        # right after `train` (collective; scores on global rank 0)
-    evaluate_run("runs/my-run")        # `memtrain eval --run DIR`: again, from a checkpoint, one process
+    evaluate_after(cfg, result)        # right after `train` (collective, on the grid; rank 0 writes)
+    evaluate_run("runs/my-run")        # `memtrain eval RUN_DIR`: again, from a checkpoint (torchrun: on a grid)
 
 Each canary is scored as the model saw it in training, i.e. preceded by the EOS that opens it (with
 document attention, the default, that is exactly its training context wherever it sat in its row; without
 it, canaries placed mid-row are also extracted from their recorded row context, `in_row`); its held-out twin
-is scored the same way as the non-member control. The final evaluation runs on global rank 0 with the full
-(gathered) model on one process; the per-pass one is teacher-forced on the grid (exact match is then one
-forward pass: see memtrain.hf.teacher_forced). Results: eval.json (aggregates, also split by copies),
+is scored the same way as the non-member control. The final evaluation of a distributed run runs on its grid:
+eval's metrics see the sharded model through `memtrain.hf.GridModel`, every rank decodes and scores its share of
+the rows and gets every result, so no rank ever holds the whole model; one process evaluates the plain HF model.
+The per-pass scores are teacher-forced on the grid (exact match is then one forward pass: see
+memtrain.hf.teacher_forced). Global rank 0 writes the results: eval.json (aggregates, also split by copies),
 eval_canaries.jsonl (one row per canary and twin, with the generated text) and passes.jsonl (per pass).
 """
 
@@ -25,12 +27,13 @@ import numpy as np
 import torch
 
 import eval as ev
+import parallel
 from memtrain.config import RunConfig
 from memtrain.config import load as load_config
 from memtrain.data import build_stream
 from memtrain.data.canaries import render_secret
 from memtrain.files import write_atomic
-from memtrain.hf import teacher_forced
+from memtrain.hf import GridModel, teacher_forced
 from memtrain.models import build_model
 from memtrain.progress import note, seconds, stage
 
@@ -167,9 +170,13 @@ def _in_row_canaries(stream, seen: dict[str, int]) -> list[ev.Canary]:
     return out
 
 
-def evaluate(model, stream, cfg, run_dir: Path, steps: int) -> dict:
-    """Score `model` (an HF causal LM on one process) on the stream's canaries; write the results."""
-    model.eval()
+def evaluate(model, stream, cfg, run_dir: Path, steps: int, write: bool = True) -> dict:
+    """Score `model` on the stream's canaries; write the results when `write`.
+
+    `model`: an HF causal LM on one process, or a `GridModel` (collective: every rank of the grid calls this,
+    one of them with write=True)."""
+    if isinstance(model, torch.nn.Module):
+        model.eval()
     seen = copies_seen(stream, cfg.train.batch_size, steps)
     canaries = _eval_canaries(stream.canaries, stream.eos_id, seen)
     buried = not stream.document_attention and any(p.offset > 1 for c in stream.canaries for p in c.placements)
@@ -243,9 +250,10 @@ def evaluate(model, stream, cfg, run_dir: Path, steps: int) -> dict:
     if in_row is not None:
         result["in_row"] = {k: in_row.aggregates["overall"][k] for k in ("n_evaluated", "exact_match_rate",
                                                                         "token_match_mean", "rouge_l_mean")}
-    write_atomic(run_dir / "eval_canaries.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
-    write_atomic(run_dir / "eval.json", json.dumps(result, indent=1))
-    note(f"eval: done in {seconds(time.perf_counter() - t0)}: {run_dir / 'eval.json'}")
+    if write:
+        write_atomic(run_dir / "eval_canaries.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
+        write_atomic(run_dir / "eval.json", json.dumps(result, indent=1))
+        note(f"eval: done in {seconds(time.perf_counter() - t0)}: {run_dir / 'eval.json'}")
     return result | {"rows": rows}
 
 
@@ -261,18 +269,26 @@ def _single_process_model(cfg: RunConfig, stream, state_dict: dict):
 
 
 def evaluate_after(cfg: RunConfig, result: TrainResult) -> dict | None:
-    """Collective: gather the trained model, evaluate on global rank 0 (None elsewhere)."""
-    state = result.model.full_state_dict()
-    if result.grid.rank != 0:
+    """Collective: evaluate the trained model on its grid (one process: the plain HF model with its weights);
+    the scores on global rank 0, None elsewhere."""
+    rank0 = result.grid.rank == 0
+    if result.grid.world_size > 1:
+        scores = evaluate(GridModel(result.model), result.stream, cfg, result.run_dir, result.steps, write=rank0)
+    else:
+        model = _single_process_model(cfg, result.stream, result.model.full_state_dict())
+        scores = evaluate(model, result.stream, cfg, result.run_dir, result.steps)
+    if not rank0:
         return None
-    model = _single_process_model(cfg, result.stream, state)
-    scores = evaluate(model, result.stream, cfg, result.run_dir, result.steps)
     result.tracker.log_eval({k: v for k, v in scores.items() if k != "rows"}, scores["rows"])
     return scores
 
 
-def evaluate_run(run_dir: Path, checkpoint_path: str | None = None) -> dict:
-    """`memtrain eval --run DIR`: evaluate a finished run again from its checkpoint (one process)."""
+def evaluate_run(run_dir: Path, checkpoint_path: str | None = None) -> dict | None:
+    """`memtrain eval RUN_DIR`: evaluate a finished run again from its checkpoint.
+
+    One process evaluates the plain HF model. Under torchrun or srun the processes form a grid with the run's
+    x, y and z (data takes the remaining ranks), each reads only its shards of the checkpoint, and they evaluate
+    on the grid (collective); the scores on global rank 0, None elsewhere."""
     run_dir = Path(run_dir)
     cfg_path, run_json = run_dir / "config.toml", run_dir / "run.json"
     if not cfg_path.is_file() or not run_json.is_file():
@@ -281,14 +297,32 @@ def evaluate_run(run_dir: Path, checkpoint_path: str | None = None) -> dict:
     if not (run_dir / "canaries.jsonl").is_file():
         raise FileNotFoundError(f"{str(run_dir)!r} has no canaries.jsonl manifest: nothing to evaluate")
     cfg = load_config(cfg_path)
-    stream = build_stream(cfg.data, cfg.canaries, seed=cfg.train.seed)
     info = json.loads(run_json.read_text())
+    steps = info["trained"]["steps"]
+    source = Path(checkpoint_path) if checkpoint_path else run_dir
+    from memtrain.training import checkpoint, trainer  # not at the top: the trainer imports this module
+
+    if parallel.launch_world_size() > 1:
+        p = cfg.parallel
+        grid = parallel.init(data=-1, x=p.x, y=p.y, z=p.z, backend=p.backend, timeout_s=p.timeout_s or 600.0)
+        try:
+            stream, plm = trainer.setup(cfg, grid)
+            _check_stream(run_dir, info, stream)
+            with checkpoint.read_weights(source) as src:
+                plm.load_hf_state_dict(src)
+            scores = evaluate(GridModel(plm), stream, cfg, run_dir, steps, write=grid.rank == 0)
+            return scores if grid.rank == 0 else None
+        finally:
+            parallel.shutdown()
+    stream = build_stream(cfg.data, cfg.canaries, seed=cfg.train.seed)
+    _check_stream(run_dir, info, stream)
+    with checkpoint.read_weights(source) as src:
+        weights = {k: src.read(k) for k in src.keys()}  # one process evaluates the whole model
+    model = _single_process_model(cfg, stream, weights)
+    return evaluate(model, stream, cfg, run_dir, steps)
+
+
+def _check_stream(run_dir: Path, info: dict, stream) -> None:
     if info.get("stream_key") != stream.key:
         raise ValueError(f"{str(run_dir)!r} was trained on another stream (tokenizer or data changed): "
                          "evaluate with the data and tokenizer it was trained with")
-    from memtrain.training import checkpoint  # not at the top: the trainer imports this module
-
-    with checkpoint.read_weights(Path(checkpoint_path) if checkpoint_path else run_dir) as src:
-        weights = {k: src.read(k) for k in src.keys()}  # one process evaluates the whole model
-    model = _single_process_model(cfg, stream, weights)
-    return evaluate(model, stream, cfg, run_dir, info["trained"]["steps"])

@@ -19,16 +19,18 @@ from .embedding import (
     padded_vocab,
     vocab_parallel_argmax,
     vocab_parallel_cross_entropy,
+    vocab_parallel_log_probs,
 )
 from .grads import clip_grad_norm_, grad_norm, no_sync, sync_gradients
-from .grid import AXES, Grid, current, init, resolve_degrees, shutdown
+from .grid import AXES, Grid, current, init, launch_world_size, resolve_degrees, shutdown
 from .linear import Linear
 from .overlap import overlap
 from .sharding import BlockLayout, ShardSpec, spec_of, tag, unique_parameters
 
 __all__ = [
     "AXES", "IGNORE_INDEX", "LEDGER", "BlockLayout", "ColumnEmbedding", "Embedding", "GradSync", "Grid", "LMHead",
-    "Ledger", "Linear", "ShardSpec", "clip_grad_norm_", "current", "grad_norm", "grad_sync", "init", "no_sync",
-    "overlap", "padded_vocab", "resolve_degrees", "shutdown", "spec_of", "sync_gradients", "tag", "unique_parameters",
-    "vocab_parallel_argmax", "vocab_parallel_cross_entropy",
+    "Ledger", "Linear", "ShardSpec", "clip_grad_norm_", "current", "grad_norm", "grad_sync", "init",
+    "launch_world_size", "no_sync", "overlap", "padded_vocab", "resolve_degrees", "shutdown", "spec_of",
+    "sync_gradients", "tag", "unique_parameters", "vocab_parallel_argmax", "vocab_parallel_cross_entropy",
+    "vocab_parallel_log_probs",
 ]

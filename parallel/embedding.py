@@ -233,8 +233,66 @@ class LMHead(ShardedWeight):
         return loss.view(lead), top.view(lead)
 
     @torch.no_grad()
+    def log_probs(self, hidden: torch.Tensor, labels: torch.Tensor,
+                  with_stats: bool = False) -> tuple[torch.Tensor, ...]:
+        """`vocab_parallel_log_probs` of `hidden`'s logits, each output in the caller's row layout like `loss`
+        (evaluation: no gradient)."""
+        lead = labels.shape
+        labels = labels.reshape(-1)
+        logits = self.logits(hidden)
+        if self.mode == "easy":
+            labels = comm.all_gather(labels, self.grid, self.out_axis)
+        out = vocab_parallel_log_probs(logits, labels, self.grid, self.out_axis, self.valid, with_stats)
+        if self.mode == "easy":  # every Y member computed the whole column's rows: keep this rank's chunk
+            n, i = labels.shape[0] // self.grid.size(self.out_axis), self.grid.coord(self.out_axis)
+            out = tuple(t[i * n:(i + 1) * n] for t in out)
+        return tuple(t.view(lead) for t in out)
+
+    @torch.no_grad()
     def load_full(self, weight: torch.Tensor) -> None:
         self.load_full_weight(weight)
+
+
+@torch.no_grad()
+def vocab_parallel_log_probs(logits: torch.Tensor, labels: torch.Tensor, grid: Grid, axis, valid: int | None = None,
+                             with_stats: bool = False) -> tuple[torch.Tensor, ...]:
+    """Natural-log p(label) [N] (0 where labels == -100) from logits [N, V/|axis|] split over `axis`; with_stats
+    also the mean and standard deviation of log p(v) over the vocabulary under p [N] each (Min-K%++'s
+    normalizers), as `eval.sequence_logprobs` computes them from whole logits.
+
+    Columns >= `valid` are vocabulary padding: outside the softmax and the statistics. Collective over `axis`:
+    three all-reduces of [N] or [2, N] (four with the statistics); the [N, V] logits never leave their member.
+    """
+    logits = logits.float()
+    n_local = logits.shape[-1]
+    start = grid.coord(axis) * n_local
+    real = None
+    if valid is not None and start + n_local > valid:
+        real = torch.arange(start, start + n_local, device=logits.device) < valid
+        logits = logits.masked_fill(~real, float("-inf"))
+    m = logits.max(dim=-1).values
+    comm.all_reduce(m, grid, axis, op=torch.distributed.ReduceOp.MAX)
+    total = (logits - m.unsqueeze(-1)).exp().sum(-1)
+    comm.all_reduce(total, grid, axis)
+    logp = logits - (m + total.log()).unsqueeze(-1)  # -inf on padding
+    local = labels - start
+    hit = (local >= 0) & (local < n_local)
+    target = logp.gather(-1, torch.where(hit, local, 0).unsqueeze(-1)).squeeze(-1)
+    target = torch.where(hit, target, 0.0)  # a miss may have gathered padding's -inf: never multiply it
+    if not with_stats:
+        comm.all_reduce(target, grid, axis)
+        return (target * (labels != IGNORE_INDEX),)
+    p = logp.exp()
+
+    def only_real(t):  # padding has p = 0 and log p = -inf: 0 * inf would be nan
+        return t if real is None else torch.where(real, t, 0.0)
+
+    sums = torch.stack([target, only_real(p * logp).sum(-1)])
+    comm.all_reduce(sums, grid, axis)
+    target, mean = sums[0], sums[1]
+    var = only_real(p * (logp - mean.unsqueeze(-1)).square()).sum(-1)
+    comm.all_reduce(var, grid, axis)
+    return target * (labels != IGNORE_INDEX), mean, var.sqrt()
 
 
 def vocab_parallel_argmax(logits: torch.Tensor, grid: Grid, axis, valid: int | None = None) -> torch.Tensor:

@@ -170,6 +170,12 @@ def _launch_env() -> tuple[int, int] | None:
     return None
 
 
+def launch_world_size() -> int:
+    """Processes the launcher (torchrun, srun) started this one among; 1 for a plain process."""
+    env = _launch_env()
+    return env[1] if env else 1
+
+
 def resolve_degrees(world_size: int, data: int, x: int, y: int, z: int) -> tuple[int, int, int, int]:
     """Validate degrees against the world size, inferring at most one given as -1."""
     degrees = {"data": data, "x": x, "y": y, "z": z}

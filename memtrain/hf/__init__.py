@@ -6,13 +6,19 @@
 architectures.py  one object per architecture: block layers, ends, init rule, checkpoint names
 slots.py          how each HF tensor maps onto this rank's shard (seeded init, loading, gathering)
 parallelize.py    `parallelize` and the resulting `ParallelLM`; `export_hf`
-decode.py         batched greedy decoding with a KV cache, and teacher-forced scoring, on a parallelized model
+decode.py         evaluation on the grid: greedy decoding with a KV cache, teacher-forced scoring, GridModel
 export.py         `memtrain export`: a run's checkpoint and tokenizer as a from_pretrained directory
 """
 
 from memtrain.hf.architectures import ARCHITECTURES, Architecture, Shape, architecture_of
-from memtrain.hf.decode import ParallelStepper, parallel_greedy_decode, teacher_forced
+from memtrain.hf.decode import (
+    GridModel,
+    ParallelStepper,
+    parallel_greedy_decode,
+    parallel_sequence_logprobs,
+    teacher_forced,
+)
 from memtrain.hf.parallelize import ParallelLM, export_hf, parallelize
 
-__all__ = ["ARCHITECTURES", "Architecture", "ParallelLM", "ParallelStepper", "Shape", "architecture_of",
-           "export_hf", "parallel_greedy_decode", "parallelize", "teacher_forced"]
+__all__ = ["ARCHITECTURES", "Architecture", "GridModel", "ParallelLM", "ParallelStepper", "Shape", "architecture_of",
+           "export_hf", "parallel_greedy_decode", "parallel_sequence_logprobs", "parallelize", "teacher_forced"]

@@ -1,4 +1,5 @@
-"""Batched greedy decoding with a KV cache on a parallelized model (any grid, sharded and easy mode).
+"""Evaluation on the grid: batched greedy decoding with a KV cache and teacher-forced scoring of a parallelized
+model (any grid, sharded and easy mode).
 
     tokens = parallel_greedy_decode(plm, prefixes, n_new=50, batch_size=16)   # [N, n_new], every rank
 
@@ -15,6 +16,9 @@ forward passes with the same shapes. Hence every global batch has the same width
 row count is rounded up to a multiple of the row groups with dummy rows (copies of a real prefix whose
 tokens are dropped).
 
+`parallel_sequence_logprobs` is `eval.sequence_logprobs` on the grid (vocabulary-parallel softmax statistics),
+and `GridModel` hands both to eval's metrics, so extraction, exposure and MIA run unchanged on a sharded model.
+
 Vocabulary-parallel argmax (`parallel.vocab_parallel_argmax`): the LM head's logits stay split over its
 vocabulary axis (Y); one all-gather of each member's (max, first index) over Y picks the winner, ties going
 to the lowest index as in `torch.argmax`. The HF modules inside the ParallelLM handle `past_key_values`,
@@ -30,7 +34,7 @@ from contextlib import contextmanager
 import numpy as np
 import torch
 
-from eval.decode import HFStepper, greedy_decode_batch, pad_left
+from eval.decode import Evaluable, HFStepper, SeqLogprobs, greedy_decode_batch, pad_left
 from parallel import IGNORE_INDEX, comm, vocab_parallel_argmax
 
 
@@ -126,6 +130,25 @@ def parallel_greedy_decode(plm, prefixes: Sequence[Sequence[int]], n_new: int, b
     return result
 
 
+def _teacher_batches(plm, sequences: Sequence[Sequence[int]], batch_size: int, pad_id: int):
+    """Right-padded global batches: (input indices, this rank's ids and labels [b, width] on the model's device,
+    a gather of [b, k, width] rows of per-token results back into [rows, k, width] in batch order)."""
+    device = next(plm.parameters()).device
+    for idx, seqs in _row_batches(plm, sequences, batch_size):
+        width = max(map(len, seqs))
+        ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+        labels = torch.full((len(seqs), width), IGNORE_INDEX, dtype=torch.long)
+        for r, seq in enumerate(seqs):  # right-padded: causal attention never lets padding reach a token
+            ids[r, :len(seq)] = torch.as_tensor(list(seq))
+            labels[r, :len(seq) - 1] = ids[r, 1:len(seq)]
+        local = plm.local_rows(len(seqs))
+
+        def gather(rows: torch.Tensor) -> np.ndarray:
+            return comm.all_gather(rows.contiguous(), plm.grid, plm.row_axes).cpu().numpy()
+
+        yield idx, ids[local].to(device), labels[local].to(device), gather
+
+
 @torch.inference_mode()
 def teacher_forced(plm, sequences: Sequence[Sequence[int]], batch_size: int = 64,
                    pad_id: int = 0) -> list[tuple[np.ndarray, np.ndarray]]:
@@ -136,24 +159,57 @@ def teacher_forced(plm, sequences: Sequence[Sequence[int]], batch_size: int = 64
     exactly when every token of it is the greedy choice here (decoding feeds back its own tokens, which are
     the true ones as long as none was wrong), so exact match takes one forward pass instead of one per token.
     """
-    device = next(plm.parameters()).device
     out: list = [None] * len(sequences)
     with _eval_mode(plm):
-        for idx, seqs in _row_batches(plm, sequences, batch_size):
-            width = max(map(len, seqs))
-            ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
-            labels = torch.full((len(seqs), width), IGNORE_INDEX, dtype=torch.long)
-            for r, seq in enumerate(seqs):  # right-padded: causal attention never lets padding reach a token
-                ids[r, :len(seq)] = torch.as_tensor(list(seq))
-                labels[r, :len(seq) - 1] = ids[r, 1:len(seq)]
-            local = plm.local_rows(len(seqs))
-            loss, top = plm.token_scores(ids[local].to(device), labels[local].to(device))
-            both = torch.stack([loss.double(), (top == labels[local].to(device)).double()], dim=1)
-            both = comm.all_gather(both.contiguous(), plm.grid, plm.row_axes).cpu().numpy()  # [rows, 2, width]
+        for idx, ids, labels, gather in _teacher_batches(plm, sequences, batch_size, pad_id):
+            loss, top = plm.token_scores(ids, labels)
+            both = gather(torch.stack([loss.double(), (top == labels).double()], dim=1))  # [rows, 2, width]
             for r, i in enumerate(idx):
                 n = len(sequences[i]) - 1
                 out[i] = (both[r, 0, :n], both[r, 1, :n].astype(bool))
     return out
 
 
-__all__ = ["ParallelStepper", "ShardedLogits", "parallel_greedy_decode", "teacher_forced"]
+@torch.inference_mode()
+def parallel_sequence_logprobs(plm, token_lists: Sequence[Sequence[int]], batch_size: int = 32,
+                               with_stats: bool = False, pad_id: int = 0) -> SeqLogprobs:
+    """`eval.sequence_logprobs` on the grid: the same arrays, in input order, on every rank.
+
+    Collective over the whole grid; every rank passes the same sequences. `batch_size`: rows per rank. The
+    softmax and its statistics are computed where the logits are, split over the vocabulary
+    (`parallel.vocab_parallel_log_probs`); only [rows, width] results are gathered.
+    """
+    if any(len(s) < 1 for s in token_lists):
+        raise ValueError("empty sequence")
+    n = len(token_lists)
+    lps, means, stds = [None] * n, [None] * n if with_stats else None, [None] * n if with_stats else None
+    with _eval_mode(plm):
+        for idx, ids, labels, gather in _teacher_batches(plm, token_lists, batch_size, pad_id):
+            rows = gather(torch.stack(plm.token_log_probs(ids, labels, with_stats), dim=1).double())
+            for r, i in enumerate(idx):
+                k = len(token_lists[i]) - 1
+                lps[i] = rows[r, 0, :k]
+                if with_stats:
+                    means[i], stds[i] = rows[r, 1, :k], rows[r, 2, :k]
+    return SeqLogprobs(lps, means, stds)
+
+
+class GridModel(Evaluable):
+    """A ParallelLM as `eval` sees a model: every metric of `eval` (extraction, exposure, MIA, validation loss)
+    runs on the grid through it, each rank decoding and scoring its share of the rows.
+
+    Collective: every rank calls every metric with the same arguments and gets the whole result.
+    """
+
+    def __init__(self, plm):
+        self.plm = plm
+
+    def greedy_decode(self, prefixes, n_new, batch_size=64, pad_id=0):
+        return parallel_greedy_decode(self.plm, prefixes, n_new, batch_size=batch_size, pad_id=pad_id)
+
+    def sequence_logprobs(self, token_lists, batch_size=32, with_stats=False, pad_id=0):
+        return parallel_sequence_logprobs(self.plm, token_lists, batch_size, with_stats, pad_id)
+
+
+__all__ = ["GridModel", "ParallelStepper", "ShardedLogits", "parallel_greedy_decode", "parallel_sequence_logprobs",
+           "teacher_forced"]

@@ -104,6 +104,14 @@ class ParallelLM(nn.Module):
         out = self.model.base_model(input_ids=input_ids, use_cache=False)
         return self.head.scores(out[0], labels)
 
+    @torch.inference_mode()
+    def token_log_probs(self, input_ids: torch.Tensor, labels: torch.Tensor,
+                        with_stats: bool = False) -> tuple[torch.Tensor, ...]:
+        """Teacher-forced log p(label) [b, S] of this rank's rows, and with_stats the mean and std of log p over
+        the vocabulary (`parallel.vocab_parallel_log_probs`), laid out as `token_losses`."""
+        out = self.model.base_model(input_ids=input_ids, use_cache=False)
+        return self.head.log_probs(out[0], labels, with_stats)
+
     def enable_activation_checkpointing(self) -> None:
         """Recompute each transformer block's forward during backward instead of keeping its activations.
 

@@ -95,3 +95,50 @@ def test_only_global_rank_0_reports(recipe, tmp_path):
     assert len(_starting(_lines(r.stderr), "data: skipped 2 files")) == 1, r.stderr[-3000:]
     assert [x for x in r.stdout.splitlines() if x.startswith("done: ")] == [_expected_summary(out, False)]
     assert sorted(p.name for p in (out / "checkpoints").glob("step_*")) == [f"step_00000{i}" for i in range(1, 7)]
+
+
+def _rows(out):
+    return [json.loads(x) for x in (out / "eval_canaries.jsonl").read_text().splitlines()]
+
+
+def _assert_same_eval(got, want):
+    """Greedy tokens and their metrics equal; losses and MIA scores within 1e-5 relative (sharded matmuls and the
+    vocabulary-parallel softmax sum in another order than the plain model's)."""
+    a, b = json.loads((want / "eval.json").read_text()), json.loads((got / "eval.json").read_text())
+    assert (b["exact_count"], b["n_evaluated"], b["mia_auc_loss"]) == (a["exact_count"], a["n_evaluated"],
+                                                                        a["mia_auc_loss"])
+    assert b["val_loss"] == pytest.approx(a["val_loss"], rel=1e-5)
+    for x, y in zip(_rows(want), _rows(got), strict=True):
+        assert (y["generated"], y["token_match"], y["rouge_l"]) == (x["generated"], x["token_match"], x["rouge_l"])
+        assert y["loss"] == pytest.approx(x["loss"], rel=1e-5) and y["min_k_pp"] == pytest.approx(x["min_k_pp"],
+                                                                                                   rel=1e-5)
+
+
+def test_a_distributed_run_evaluates_on_its_grid(recipe, tmp_path):
+    """`memtrain train` on 2 ranks (x=2) evaluates on its grid; `memtrain eval` under torchrun evaluates again on a
+    grid of the run's x from the sharded checkpoint; both equal `memtrain eval` on one process, each printed once."""
+    path, _ = recipe
+    out, torchrun = tmp_path / "run", [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                       "--nproc-per-node", "2", "-m", "memtrain"]
+    r = subprocess.run([*torchrun, "train", "--config", str(path), "--out", str(out), "--set", "parallel.x=2"],
+                       capture_output=True, text=True, env=ENV, cwd=ROOT, timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    assert [x for x in r.stdout.splitlines() if x.startswith("done: ")] == [_expected_summary(out, True)]
+    on_grid = tmp_path / "grid"
+    on_grid.mkdir()
+    for name in ("eval.json", "eval_canaries.jsonl"):
+        (on_grid / name).write_bytes((out / name).read_bytes())
+    r = memtrain("eval", str(out), timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    _assert_same_eval(on_grid, out)
+    one = json.loads((out / "eval.json").read_text())
+    r = subprocess.run([*torchrun, "eval", str(out)], capture_output=True, text=True, env=ENV, cwd=ROOT,
+                       timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    assert len([x for x in r.stdout.splitlines() if x.startswith("exact_match_rate=")]) == 1, r.stdout
+    assert json.loads((out / "eval.json").read_text())["exact_count"] == one["exact_count"]
+    (on_grid / "eval.json").write_bytes((out / "eval.json").read_bytes())
+    (on_grid / "eval_canaries.jsonl").write_bytes((out / "eval_canaries.jsonl").read_bytes())
+    r = memtrain("eval", "--run", str(out), timeout=600)  # the single-process files back, for the comparison
+    assert r.returncode == 0, r.stderr[-3000:]
+    _assert_same_eval(on_grid, out)

@@ -111,6 +111,7 @@ CASES = [
     # evaluation
     ("eval-run-missing", ["eval", "--run", "{bad}/no_run"], "no_run"),
     ("eval-run-is-file", ["eval", "--run", "{bad}/a_file"], "a_file"),
+    ("eval-run-twice", ["eval", "{run}", "--run", "{run}"], "RUN_DIR"),
     ("eval-checkpoint-missing", ["eval", "--run", "{run}", "--checkpoint", "{bad}/no_ckpt"], "no_ckpt"),
     ("eval-checkpoint-corrupt", ["eval", "--run", "{run}", "--checkpoint", "{bad}/empty"], "empty"),
     # the planner

@@ -7,6 +7,11 @@
   compute the same dot products in a different order: masked attention over the row vs causal attention over
   the short sequence). Without the position ids (classic packing) the same row gives other losses: the test
   can fail. A large init (std 0.3) makes the logits depend strongly on context.
+- On the grid: the whole final evaluation (extraction, MIA, exposure, validation loss) of a partly memorized model
+  on 8 gloo ranks, sharded (1,2,2,2) and easy (2,2,1,2) through `GridModel`, equals the plain model's on one
+  process: the same greedy tokens and exact/token/ROUGE/prefix metrics, losses and MIA scores within 1e-5
+  relative (sharded matmuls and the vocabulary-parallel softmax sum in another order), every rank with the same
+  results, and only global rank 0 writing them.
 - Teacher forcing: on a partly memorized model, "every suffix token is the greedy choice given the true
   tokens before it" (memtrain.hf.teacher_forced, one forward pass) equals "greedy decoding reproduces the
   suffix" (eval.greedy_decode), sequence by sequence, for every suffix length from 1 to 24 (a mix of hits
@@ -14,6 +19,7 @@
 """
 
 import copy
+import json
 import os
 import sysconfig
 from pathlib import Path
@@ -26,10 +32,12 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import parallel  # noqa: E402
 from eval import greedy_decode, sequence_logprobs  # noqa: E402
+from memtrain.config import EvalConfig, RunConfig  # noqa: E402
 from memtrain.data import CanaryConfig, DataConfig, build_stream  # noqa: E402
-from memtrain.evaluate import copies_seen, dropped_copies  # noqa: E402
-from memtrain.hf import parallelize, teacher_forced  # noqa: E402
+from memtrain.evaluate import copies_seen, dropped_copies, evaluate  # noqa: E402
+from memtrain.hf import GridModel, parallelize, teacher_forced  # noqa: E402
 from memtrain.models import build_model  # noqa: E402
+from parallel.forked import run_ranks  # noqa: E402
 from tests.eval._models import tiny_model, train_to_memorize  # noqa: E402
 
 GRID = parallel.Grid(1, 1, 1, 1)  # one process: no process group needed
@@ -99,3 +107,58 @@ def test_teacher_forced_exact_match_is_greedy_extraction():
     lp = sequence_logprobs(model, [[0, *s] for s in seqs]).logprobs
     np.testing.assert_allclose(np.concatenate([loss for loss, _ in scores]), -np.concatenate(lp), rtol=1e-5,
                                atol=1e-6)
+
+
+def _partly_memorized(stream):
+    """A small Llama trained on the canaries alone until some, not all, come back verbatim."""
+    torch.manual_seed(0)
+    model = build_model("ladder-1m", stream.vocab_size, hidden_size=64, num_hidden_layers=2, num_attention_heads=8,
+                        num_key_value_heads=4, intermediate_size=128)
+    seqs = [[stream.eos_id, *c.token_ids] for c in stream.canaries]
+    ids = torch.zeros(len(seqs), max(map(len, seqs)), dtype=torch.long)
+    labels = torch.full_like(ids, -100)
+    for i, s in enumerate(seqs):
+        ids[i, :len(s)] = labels[i, :len(s)] = torch.tensor(s)
+    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+    for _ in range(40):
+        loss = model(input_ids=ids, labels=labels).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return model.eval()
+
+
+def _evaluate_on_grid(rank, world, model, stream, cfg, out, degrees, mode):
+    grid = parallel.Grid(*degrees, rank=rank)
+    grid.build_groups()
+    plm = parallelize(copy.deepcopy(model), grid, mode, weights="model")
+    return evaluate(GridModel(plm), stream, cfg, out, steps=1, write=rank == 0)
+
+
+ROW_EXACT = ("generated", "exact_match", "token_match", "rouge_l", "rouge_l_text", "longest_prefix")
+ROW_CLOSE = ("loss", "min_k", "min_k_pp", "zlib", "exposure")
+
+
+@pytest.mark.parametrize("degrees,mode", [((1, 2, 2, 2), "sharded"), ((2, 2, 1, 2), "easy")])
+def test_evaluation_on_the_grid_equals_one_process(buried, tmp_path, degrees, mode):
+    cfg = RunConfig(eval=EvalConfig(suffix_len=8, batch_size=4, exposure_samples=32, val_docs=8, pythia=False))
+    model = _partly_memorized(buried)
+    want = evaluate(model, buried, cfg, tmp_path / "one", steps=1)
+    assert 0 < want["exact_count"] < want["n"] and want["twins"]["exact_count"] < want["twins"]["n"]
+    per_rank = run_ranks(8, _evaluate_on_grid, model, buried, cfg, tmp_path / "grid", degrees, mode)
+    for rank, got in enumerate(per_rank):
+        assert len(got["rows"]) == len(want["rows"]) == 2 * len(buried.canaries)
+        compared = 0
+        for a, b in zip(want["rows"], got["rows"]):
+            assert {k: a[k] for k in ROW_EXACT} == {k: b[k] for k in ROW_EXACT}, (rank, a["id"])
+            for k in ROW_CLOSE:  # exposure is None for document canaries
+                assert (a[k] is None) == (b[k] is None), (rank, a["id"], k)
+                if a[k] is not None:
+                    assert b[k] == pytest.approx(a[k], rel=1e-5, abs=1e-6), (rank, a["id"], k)
+                    compared += 1
+        assert compared == len(ROW_CLOSE) * len(want["rows"]) - len(want["rows"]) // 2  # all but documents'
+        for k in ("exact_count", "n_evaluated", "mia_auc_loss", "token_match", "rougeL"):
+            assert got[k] == want[k], (rank, k)
+        assert got["val_loss"] == pytest.approx(want["val_loss"], rel=1e-6)
+    written = json.loads((tmp_path / "grid" / "eval.json").read_text())
+    assert written["exact_count"] == want["exact_count"] and len(list((tmp_path / "grid").iterdir())) == 2

@@ -6,7 +6,9 @@ decode a batch of prefixes of mixed lengths on every 8-rank grid in sharded and 
 must equal `model.generate(do_sample=False, max_new_tokens=N_NEW)` of the plain HF model with the same
 weights, token for token, on every rank. Ten prefixes with 4 rows per rank: 1 global batch of 10 (+6
 dummy rows) on 8 row groups, 2 batches on 2 or 4 groups, 3 on 1 group, so dummy rows, several batches
-and lockstep are all exercised.
+and lockstep are all exercised. The same grids score the prefixes with their continuations teacher-forced
+(`teacher_forced`, and `parallel_sequence_logprobs` with the softmax statistics Min-K%++ needs) against
+`eval.sequence_logprobs` of the plain model.
 """
 
 import os
@@ -18,7 +20,13 @@ import torch
 
 import parallel
 from eval.decode import greedy_decode, pad_left, sequence_logprobs
-from memtrain.hf import ParallelStepper, parallel_greedy_decode, parallelize, teacher_forced
+from memtrain.hf import (
+    ParallelStepper,
+    parallel_greedy_decode,
+    parallel_sequence_logprobs,
+    parallelize,
+    teacher_forced,
+)
 from parallel import vocab_parallel_argmax
 from parallel.forked import run_ranks
 from tests._helpers import GRIDS, MODES, grid_id
@@ -42,7 +50,8 @@ def prefixes(vocab):
 
 def reference(fam):
     """The engine's seeded weights in the plain HF model: generate on the left-padded batch, and the
-    teacher-forced log-probs of every prefix followed by its greedy continuation."""
+    teacher-forced log-probs (with their vocabulary mean and std) of every prefix followed by its greedy
+    continuation, concatenated [3, tokens]."""
     init = parallelize(model(fam, "meta"), parallel.Grid(1, 1, 1, 1), seed=SEED, device="cpu").full_state_dict()
     hf = model(fam)
     hf.load_state_dict(init, strict=not hf.config.tie_word_embeddings)
@@ -52,8 +61,8 @@ def reference(fam):
     ids, mask = pad_left(prefixes(hf.config.vocab_size))
     with torch.no_grad():
         gen = hf.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=N_NEW)[:, ids.shape[1]:]
-    lp = sequence_logprobs(hf, continued(prefixes(hf.config.vocab_size), gen)).logprobs
-    return gen, np.concatenate(lp)
+    lp = sequence_logprobs(hf, continued(prefixes(hf.config.vocab_size), gen), with_stats=True)
+    return gen, np.stack([np.concatenate(a) for a in (lp.logprobs, lp.mean, lp.std)])
 
 
 def continued(prefixes, gen):
@@ -87,6 +96,10 @@ def _worker(rank, world, refs):
                 scores = teacher_forced(plm, continued(prefixes(plm.config.vocab_size), refs[fam][0]), BATCH)
                 out[("teacher", degrees, fam, mode)] = (np.concatenate([loss for loss, _ in scores]),
                                                         [bool(right[-N_NEW:].all()) for _, right in scores])
+                lp = parallel_sequence_logprobs(plm, continued(prefixes(plm.config.vocab_size), refs[fam][0]), BATCH,
+                                                with_stats=True)
+                out[("logprobs", degrees, fam, mode)] = np.stack([np.concatenate(a)
+                                                                  for a in (lp.logprobs, lp.mean, lp.std)])
                 if degrees == (2, 2, 2, 1):
                     # The stepper alone through eval's own list API: every rank decodes every prefix.
                     out[("stepper", fam, mode)] = greedy_decode(ParallelStepper(plm), prefixes(plm.config.vocab_size),
@@ -129,8 +142,20 @@ def test_teacher_forced_scores_match_one_process(results, degrees, fam, mode):
     refs, per_rank = results
     for rank, out in enumerate(per_rank):
         losses, greedy = out[("teacher", degrees, fam, mode)]
-        np.testing.assert_allclose(losses, -refs[fam][1], rtol=1e-5, atol=1e-5, err_msg=str(rank))
+        np.testing.assert_allclose(losses, -refs[fam][1][0], rtol=1e-5, atol=1e-5, err_msg=str(rank))
         assert all(greedy), rank
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("fam", FAMILIES)
+@pytest.mark.parametrize("degrees", GRIDS, ids=grid_id)
+def test_sequence_logprobs_match_one_process(results, degrees, fam, mode):
+    """Log-probs and their vocabulary mean and std within 1e-5 of eval's on whole logits (the softmax sums
+    split over Y in another order); vocabulary padding (GPT-2's 99 on Y=2 and 8) stays out of all three."""
+    refs, per_rank = results
+    for rank, out in enumerate(per_rank):
+        np.testing.assert_allclose(out[("logprobs", degrees, fam, mode)], refs[fam][1], rtol=1e-5, atol=1e-5,
+                                   err_msg=str(rank))
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -156,3 +181,5 @@ def test_single_process_and_bad_inputs():
         parallel_greedy_decode(plm, [[1], []], N_NEW)
     with pytest.raises(ValueError, match="n_new=0"):
         parallel_greedy_decode(plm, [[1]], 0)
+    with pytest.raises(ValueError, match="empty sequence"):
+        parallel_sequence_logprobs(plm, [[1, 2], []])
