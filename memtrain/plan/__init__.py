@@ -1,8 +1,9 @@
 """`memtrain plan`: the grid to train a model with, chosen before launching.
 
 cost.py     exact bytes of every collective of one training step and per-rank memory, from the model's shape
-network.py  machine presets (machines.toml), measured bandwidth tables, where a group's ranks sit
-search.py   every (data, x, y, z) that runs and fits, ranked by predicted communication time
+compute.py  per-rank FLOPs and matmul shapes of a step, their time, and the step time with overlap
+network.py  machine presets (machines.toml), measured bandwidth and matmul tables, where a group's ranks sit
+search.py   every (data, x, y, z) that runs and fits, ranked by predicted step time
 cli.py      the command line
 """
 

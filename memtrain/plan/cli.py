@@ -1,7 +1,7 @@
 """`memtrain plan`: which (data, x, y, z) grid to train a model with on N GPUs, decided before launching.
 
     memtrain plan --model llama-3.1-405b --gpus 4096 --machine frontier
-    torchrun --nproc-per-node 8 -m memtrain plan --measure --out bw.json    # this machine's bandwidths
+    torchrun --nproc-per-node 8 -m memtrain plan --measure --out bw.json    # this machine's bandwidths, matmuls
     memtrain plan --model ladder-100m --gpus 8 --bandwidth bw.json --json plan.json
     memtrain plan --validate --model llama-3.1-405b --gpus 4096 --grid=-1,4,8,16 --batch 128 --micro-batch 1 \
         --activation-checkpointing        # one step of that grid, simulated as one of 4,096 ranks (dryrun.py)
@@ -52,7 +52,8 @@ def main(argv: list[str] | None = None) -> int | None:
                     help="--validate: steps to run; the last is measured (default 1)")
     ap.add_argument("--top", type=positive_int, default=10, help="rows to print (default 10)")
     ap.add_argument("--json", help="write every fitting grid, ranked (--validate: the dry run), to this JSON file")
-    ap.add_argument("--measure", action="store_true", help="measure this machine's collectives (under torchrun)")
+    ap.add_argument("--measure", action="store_true",
+                    help="measure this machine's collectives and matmuls (under torchrun)")
     ap.add_argument("--out", default="bandwidth.json", help="--measure: where to write the table")
     ap.add_argument("--sizes-mb", default="0.25,1,4", help="--measure: message sizes in MiB")
     ap.add_argument("--iters", type=positive_int, default=5, help="--measure: timed calls per size")
@@ -76,14 +77,21 @@ def main(argv: list[str] | None = None) -> int | None:
     print(f"{cfg.model} on {cfg.gpus} GPUs, {summary['mode']} mode, batch {cfg.batch} x {cfg.seq} tokens, "
           f"{cfg.precision}{', activation checkpointing' if cfg.activation_checkpointing else ''}; {net.name}: "
           f"{net.gpus_per_node} GPUs/node, {net.gpu_memory_gb:g} GB, {net.intra_node_gbps:.3g} GB/s in a node, "
-          f"{net.inter_node_gbps:.3g} GB/s across")
-    print(f"{summary['grids']} grids, {summary['valid']} run and fit; ranked by predicted communication time "
-          f"per step (* = groups span nodes; micro = sequences x micro-batches):")
+          f"{net.inter_node_gbps:.3g} GB/s across, {compute_text(net, cfg.precision)}")
+    print(f"{summary['grids']} grids, {summary['valid']} run and fit; ranked by predicted step time: compute + the "
+          f"communication overlap cannot hide (* = groups span nodes; micro = sequences x micro-batches):")
     print(table(plans, args.top))
     if args.json:
         write_atomic(args.json, json.dumps(to_json(plans, summary, cfg, net), indent=1) + "\n")
         print(f"wrote {args.json}")
     print(f"planned in {time.perf_counter() - start:.1f} s")
+
+
+def compute_text(net, precision: str) -> str:
+    peak = net.peak_flops(precision)
+    if net.matmuls:
+        return f"{precision} matmuls measured (best {peak / 1e9:.3g} GFLOP/s per rank)"
+    return f"{precision} peak {peak / 1e12:.3g} TFLOP/s x {net.matmul_efficiency:g} reached by matmuls"
 
 
 def parse_grid(text: str, gpus: int) -> tuple[int, int, int, int]:

@@ -48,7 +48,7 @@ def rows_split(grid: Grid, mode: str) -> int:
 # Validity: the divisibility rules Architecture.check_sizes and BlockLayout.check enforce.
 
 
-def _axes(m: Matrix, mode: str) -> tuple[str, str]:
+def feature_axes(m: Matrix, mode: str) -> tuple[str, str]:
     """(in-feature axis A, out-feature axis B) of a Linear."""
     return ("y", "x") if m.transpose and mode == "sharded" else ("x", "y")
 
@@ -64,7 +64,7 @@ def check(shape: Shape, grid: Grid, mode: str, batch: int, micro: int | None = N
             return f"{what}={value} is not divisible by parallel.{axis}={grid.size(axis)}"
     for m in shape.block:
         if isinstance(m, Matrix):
-            in_axis, out_axis = _axes(m, mode)
+            in_axis, out_axis = feature_axes(m, mode)
             a, b = grid.size(in_axis), grid.size(out_axis)
             for n, axis, dim in ((m.rows, out_axis, "rows"), (m.cols, in_axis, "columns")):
                 if n % grid.size(axis):
@@ -98,7 +98,7 @@ class Log:
 
 
 def linear(log: Log, m: Matrix, mode: str, t: int, pb: int, cb: int, fwd: int, bwd: int) -> None:
-    A, B = _axes(m, mode)
+    A, B = feature_axes(m, mode)
     a, b = log.grid.size(A), log.grid.size(B)
     block = m.rows // b * (m.cols // a)
     gathered = block * min(pb, cb)  # ShardedWeight.gather_dtype: the shard is cast before the Z gather
@@ -183,7 +183,7 @@ def parameters(shape: Shape, grid: Grid, mode: str) -> list[tuple[int, tuple[str
     for _ in range(shape.layers):
         for m in shape.block:
             if isinstance(m, Matrix):
-                a, b = _axes(m, mode)
+                a, b = feature_axes(m, mode)
                 out.append((m.rows // g.size(b) * (m.cols // g.size(a)) // g.z, ("data",)))
                 if m.bias:
                     out.append((m.rows // g.size(b), ("z", "data") if mode == "sharded" else (a, "z", "data")))
@@ -220,15 +220,21 @@ def step_records(shape: Shape, grid: Grid, mode: str, batch: int, seq: int, micr
             norm(log, part, mode, t, n_micro * L * redo, n_micro * L)
     norm(log, shape.final_norm, mode, t, n_micro, n_micro)
     lm_head(log, shape, vocab, mode, t, pb, cb, n_micro, n_micro)
-    # sync_gradients: one flat all-reduce per distinct set of live reduce axes (grads.py).
-    buckets: Counter = Counter()
+    log.records.update(gradient_records(shape, grid, mode, pb))
+    log.add("all_reduce", AXES, 8)  # grad_norm: one float64 over the world (clipping or not)
+    log.add("all_reduce", AXES if mode == "easy" else ("z", "data"), 4 * 8)  # the step's loss sums (float64)
+    return log.records
+
+
+def gradient_records(shape: Shape, grid: Grid, mode: str, param_bytes: int = 4) -> Counter:
+    """The gradient sync of `step_records`: one flat all-reduce per distinct set of live reduce axes (grads.py;
+    the overlapped bucketed sync moves the same bytes)."""
+    log, buckets = Log(grid), Counter()
     for numel, axes in parameters(shape, grid, mode):
         buckets[grid.label(axes)] += numel
     for lab, numel in buckets.items():
         if lab != "none":
-            log.add("all_reduce", tuple(lab.split("+")), numel * pb)
-    log.add("all_reduce", AXES, 8)  # grad_norm: one float64 over the world (clipping or not)
-    log.add("all_reduce", AXES if mode == "easy" else ("z", "data"), 4 * 8)  # the step's loss sums (float64)
+            log.add("all_reduce", tuple(lab.split("+")), numel * param_bytes)
     return log.records
 
 

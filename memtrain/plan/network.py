@@ -1,17 +1,22 @@
-"""The machine as the planner sees it: node size, device memory, and what each collective achieves.
+"""The machine as the planner sees it: node size, device memory, what each collective and each matmul achieves.
 
 Presets live in machines.toml beside this file (with their sources); `memtrain plan --measure` writes a
-measured table (latency and bus bandwidth of every collective per group size) that `--bandwidth` reads.
+measured table (latency and bus bandwidth of every collective per group size, and the GFLOP/s of matmuls
+per shape) that `--bandwidth` reads.
 A collective costs latency + ring-moved bytes (`parallel.comm.Record.moved_bytes`) / bandwidth, at the
 bandwidth of where its group sits: inside one node or across nodes (ranks are laid out X fastest, then Y,
-Z, data).
+Z, data). A matmul [m, k] x [k, n] costs 2mkn FLOPs at the measured rate of its shape (interpolated), or,
+for a preset, at the GPU's dense peak times the fraction of it a large GEMM reaches.
 """
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import json
 import math
 import os
+import statistics
 import time
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -41,6 +46,15 @@ class Network:
     """Ring bandwidth across nodes, GB/s per GPU (the node's network injection bandwidth per GPU)."""
     collectives: dict = field(default_factory=dict)
     """Measured: op -> "intra"/"inter" -> {group size: [GB/s, latency us]}, from `memtrain plan --measure`."""
+    bf16_tflops: float = 312.0
+    """Dense peak matmul TFLOP/s of one GPU in bf16 (tensor cores, no sparsity)."""
+    fp32_tflops: float = 19.5
+    """Dense peak matmul TFLOP/s of one GPU in fp32 (torch keeps fp32 matmuls out of TF32 by default)."""
+    matmul_efficiency: float = 0.87
+    """Fraction of the peak a large GEMM reaches (used when no measured matmul table applies)."""
+    matmuls: dict = field(default_factory=dict)
+    """Measured: precision -> {"dims": [d...], "gflops": [[[GFLOP/s of [m, k] x [k, n] for n] for k] for m]} with
+    m, k, n over dims, from `memtrain plan --measure` (one rank's rate while every rank runs the probe)."""
     source: str = ""
 
     def seconds(self, record: Record, inside_node: bool) -> float:
@@ -53,6 +67,39 @@ class Network:
         else:
             gbps, latency_us = (self.intra_node_gbps if inside_node else self.inter_node_gbps), 0.0
         return latency_us * 1e-6 + record.moved_bytes / (gbps * GB)
+
+    def _table(self, precision: str) -> dict | None:
+        if precision not in ("bf16", "fp32"):
+            raise ValueError(f"unknown precision {precision!r}: use bf16 or fp32")
+        if self.matmuls and precision not in self.matmuls:
+            have = ", ".join(self.matmuls)
+            raise ValueError(f"{self.name}: no measured {precision} matmuls (only {have}): plan with --precision "
+                             f"{next(iter(self.matmuls))}, or measure again with `memtrain plan --measure`")
+        return self.matmuls.get(precision)
+
+    def peak_flops(self, precision: str) -> float:
+        """FLOP/s of one GPU that MFU divides by: the best measured matmul, else the datasheet's dense peak."""
+        table = self._table(precision)
+        if table:
+            return max(r for plane in table["gflops"] for row in plane for r in row) * 1e9
+        return (self.bf16_tflops if precision == "bf16" else self.fp32_tflops) * 1e12
+
+    def matmul_seconds(self, m: int, k: int, n: int, precision: str) -> float:
+        """Time of one [m, k] x [k, n] matmul: its measured rate (log-linear between the probed shapes, the edge
+        rate outside them), else the peak times matmul_efficiency."""
+        table = self._table(precision)
+        if not table:
+            return 2 * m * k * n / (self.peak_flops(precision) * self.matmul_efficiency)
+        dims = [math.log2(d) for d in table["dims"]]
+        corners = []  # per axis: the two probed sizes around this one, and their weights
+        for size in (m, k, n):
+            v = min(max(math.log2(size), dims[0]), dims[-1])
+            i = min(bisect.bisect_right(dims, v), len(dims) - 1) - 1
+            w = (v - dims[i]) / (dims[i + 1] - dims[i])
+            corners.append(((i, 1 - w), (i + 1, w)))
+        log_rate = sum(wa * wb * wc * math.log(table["gflops"][a][b][c])
+                       for (a, wa), (b, wb), (c, wc) in itertools.product(*corners))
+        return 2 * m * k * n / (math.exp(log_rate) * 1e9)
 
 
 def machines() -> dict[str, dict]:
@@ -99,10 +146,8 @@ def inside_node(grid: Grid, axes, gpus_per_node: int) -> bool:
     return span <= gpus_per_node and gpus_per_node % span == 0
 
 
-
-
 # ---------------------------------------------------------------------------------------------------
-# Measuring this machine's collectives (inside an initialized process group).
+# Measuring this machine's collectives and matmuls (inside an initialized process group).
 
 
 def measure_table(rank: int, world: int, gpus_per_node: int, sizes_mb=(0.25, 1.0, 4.0), iters: int = 5,
@@ -157,6 +202,72 @@ def measure_table(rank: int, world: int, gpus_per_node: int, sizes_mb=(0.25, 1.0
     return out
 
 
+MATMUL_DIMS = (8, 32, 128, 512, 2048)
+"""Sizes of m, k and n the matmul probe crosses (on GPUs 8192 too): the shard shapes of small and large models."""
+MATMUL_BUDGET = {"cpu": 2**28, "cuda": 2**36}
+"""Largest m*k*n timed per device type; a larger shape takes the best rate timed at a shape inside it."""
+
+
+def measure_matmuls(precisions=("fp32", "bf16"), device=None, min_seconds: float = 0.02) -> dict:
+    """GFLOP/s of [m, k] x [k, n] for m, k, n over MATMUL_DIMS, per precision (`Network.matmuls`).
+
+    Run it on every rank at once, as training runs: ranks sharing a CPU's cores share them here too, so the rates
+    are what one rank gets. Each shape: a warm-up call, then the median of 3 timed loops of at least `min_seconds`.
+    In a process group every rank returns the same table, from the mean over ranks of each shape's seconds."""
+    import torch
+    import torch.distributed as dist
+
+    device = torch.device(device or "cpu")
+    cuda = device.type == "cuda"
+    dims = MATMUL_DIMS + ((8192,) if cuda else ())
+    shapes = [s for s in itertools.product(dims, repeat=3) if math.prod(s) <= MATMUL_BUDGET["cuda" if cuda else "cpu"]]
+    g = torch.Generator().manual_seed(0)
+    out = {}
+    for precision in precisions:
+        dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+        seconds = []
+        for m, k, n in shapes:
+            a, b = (torch.randn(r, c, generator=g).to(device, dtype) for r, c in ((m, k), (k, n)))
+            if dist.is_initialized():
+                dist.barrier()  # every rank multiplies at the same time
+            seconds.append(_loop_seconds(torch.mm, (a, b), cuda, min_seconds))
+        mean = torch.tensor(seconds, dtype=torch.float64, device=device)
+        if dist.is_initialized():
+            dist.all_reduce(mean)
+            mean /= dist.get_world_size()
+        rate = {s: 2 * math.prod(s) / t / 1e9 for s, t in zip(shapes, mean.tolist())}
+        out[precision] = {"dims": list(dims), "gflops": [[[_rate_at(rate, (m, k, n)) for n in dims] for k in dims]
+                                                         for m in dims]}
+    return out
+
+
+def _rate_at(rate: dict, shape: tuple) -> float:
+    """The timed rate of `shape`, or (beyond the budget) the best rate timed at a shape no larger in any size."""
+    if shape in rate:
+        return rate[shape]
+    return max(r for s, r in rate.items() if all(a <= b for a, b in zip(s, shape)))
+
+
+def _loop_seconds(fn, args, cuda: bool, min_seconds: float) -> float:
+    import torch
+
+    sync = torch.cuda.synchronize if cuda else lambda: None
+    fn(*args)  # warm-up
+    sync()
+    start = time.perf_counter()
+    fn(*args)
+    sync()
+    reps = max(1, math.ceil(min_seconds / max(time.perf_counter() - start, 1e-9)))
+    samples = []
+    for _ in range(3):
+        start = time.perf_counter()
+        for _ in range(reps):
+            fn(*args)
+        sync()
+        samples.append((time.perf_counter() - start) / reps)
+    return statistics.median(samples)
+
+
 def measure(out: str, sizes_mb, iters: int) -> None:
     """`memtrain plan --measure`: run under torchrun/srun; rank 0 writes a table `--bandwidth` reads."""
     import torch
@@ -171,6 +282,7 @@ def measure(out: str, sizes_mb, iters: int) -> None:
     gpn = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
     table_ = measure_table(grid.rank, world, gpn, sizes_mb, iters, device)
+    matmuls = measure_matmuls(device=device)
     if grid.rank == 0:
         def best(place):
             rates = [v[0] for v in table_["all_reduce"].get(place, {}).values()]
@@ -179,8 +291,10 @@ def measure(out: str, sizes_mb, iters: int) -> None:
         doc = {"name": f"measured-{os.uname().nodename}", "backend": torch.distributed.get_backend(),
                "world_size": world, "gpus_per_node": gpn, "intra_node_gbps": best("intra"),
                "inter_node_gbps": best("inter"), "message_mb": list(sizes_mb), "collectives": table_,
-               "source": "memtrain plan --measure"}
+               "matmuls": matmuls, "source": "memtrain plan --measure"}
         write_atomic(out, json.dumps(doc, indent=1) + "\n")
+        net = Network(matmuls=matmuls)
         print(f"wrote {out}: all-reduce " + ", ".join(f"{place} {doc[f'{place}_node_gbps']:.3g} GB/s"
-              for place in ("intra", "inter") if doc[f"{place}_node_gbps"]) + " (slowest group size)")
+              for place in ("intra", "inter") if doc[f"{place}_node_gbps"]) + " (slowest group size); best matmul "
+              + ", ".join(f"{p} {net.peak_flops(p) / 1e9:.3g} GFLOP/s" for p in matmuls) + " per rank")
     parallel.shutdown()

@@ -2,10 +2,10 @@
 
 For every factorization of N the model's sizes and the batch allow (the architectures' divisibility rules),
 the planner estimates per-rank memory (parameters, gradients, AdamW state, activations) and drops grids that
-do not fit the device; then it predicts the communication time of one optimizer step from cost.py's exact
-records, each at the bandwidth of where its group sits (network.py), and ranks grids by that time, as in
-AxoNN. Compute is the same work split N ways on every grid, so it does not change the order and is not
-modelled.
+do not fit the device; then it predicts the time of one optimizer step and ranks grids by it: one rank's matmul
+time (compute.py: the FLOPs of its shards at the machine's rate for their shapes, which fall as shards get thin)
+plus the communication overlap cannot hide, from cost.py's exact records, each at the bandwidth of where its
+group sits (network.py). MFU is the unsharded model's FLOPs over the predicted step time and the GPUs' peak.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from collections import Counter
 from dataclasses import asdict, dataclass
 
 from memtrain.hf.architectures import architecture_of
-from memtrain.plan import cost
+from memtrain.plan import compute, cost
 from memtrain.plan.network import GB, Network, inside_node
 from parallel import Grid
 
@@ -50,8 +50,16 @@ class Plan:
     z: int
     micro_batch: int
     micro_batches: int
-    seconds: float
-    """Predicted communication time of one optimizer step."""
+    step_seconds: float
+    """Predicted time of one optimizer step: compute + the communication overlap leaves exposed (compute.py)."""
+    compute_seconds: float
+    """One rank's matmul time per step."""
+    comm_seconds: float
+    """Every collective of the step one after another (communication alone, before overlap)."""
+    flops: float
+    """FLOPs one rank runs per step."""
+    mfu: float
+    """Model FLOPs utilization at the predicted step time: model FLOPs / (step time x GPUs x peak FLOP/s)."""
     moved_bytes: float
     """Bytes one rank sends per step (ring model)."""
     memory: dict
@@ -109,8 +117,15 @@ def evaluate(shape, grid: Grid, mode: str, cfg: PlanConfig, net: Network, micro:
                                                   checkpointing=cfg.activation_checkpointing, **kw)
     memory["total"] = sum(memory.values())
     local = cfg.batch // cost.rows_split(grid, mode)
-    return Plan(grid.data, grid.x, grid.y, grid.z, micro, local // micro,
-                sum(a["seconds"] for a in axes.values()), sum(a["moved"] for a in axes.values()), memory, axes)
+    gradients = cost.gradient_records(shape, grid, mode, cfg.param_bytes)
+    comm = compute.comm_seconds(records, gradients, lambda r: net.seconds(r, axes[r.axes]["inside_node"]))
+    work = compute.step_compute(shape, grid, mode, cfg.batch, cfg.seq, micro, net, cfg.precision,
+                                cfg.activation_checkpointing)
+    step = compute.step_seconds(work.seconds, work.last_backward_seconds, comm)
+    return Plan(grid.data, grid.x, grid.y, grid.z, micro, local // micro, step_seconds=step,
+                compute_seconds=work.seconds, comm_seconds=sum(comm.values()), flops=work.flops,
+                mfu=work.model_flops / (step * grid.world_size * net.peak_flops(cfg.precision)),
+                moved_bytes=sum(a["moved"] for a in axes.values()), memory=memory, axes=axes)
 
 
 def plan(cfg: PlanConfig, net: Network) -> tuple[list[Plan], dict]:
@@ -123,6 +138,7 @@ def plan(cfg: PlanConfig, net: Network) -> tuple[list[Plan], dict]:
             raise ValueError(f"--{what} {v} is invalid: it must be at least 1")
     if cfg.precision not in ("bf16", "fp32"):
         raise ValueError(f"unknown precision {cfg.precision!r}: use bf16 or fp32")
+    net.peak_flops(cfg.precision)  # a measured machine without this precision's matmuls fails here, in one line
     config = load_config(cfg.model)
     mode = resolve_mode(config, cfg.mode)
     shape = cost.shape_of(config)
@@ -147,7 +163,7 @@ def plan(cfg: PlanConfig, net: Network) -> tuple[list[Plan], dict]:
         else:
             rejected[f"needs more than {net.gpu_memory_gb:g} GB per GPU"] += 1
             least = total if least is None else min(least, total)
-    plans.sort(key=lambda p: (p.seconds, p.memory["total"], p.grid))
+    plans.sort(key=lambda p: (p.step_seconds, p.memory["total"], p.grid))
     summary = {"model": cfg.model, "family": shape.family, "mode": mode, "grids": sum(rejected.values()) + len(plans),
                "valid": len(plans), "rejected": dict(rejected), "least_memory_over_limit": least}
     if not plans:
@@ -169,8 +185,9 @@ def _no_plan(cfg: PlanConfig, mode: str, rejected: Counter, least) -> str:
 
 
 def table(plans: list[Plan], top: int) -> str:
-    head = (f"{'rank':>4} {'data':>5} {'x':>4} {'y':>4} {'z':>4} {'micro':>9} {'comm s':>9} {'GB sent':>9} "
-            f"{'state GB':>9} {'act GB':>8} {'total GB':>9}  slowest axes")
+    head = (f"{'rank':>4} {'data':>5} {'x':>4} {'y':>4} {'z':>4} {'micro':>9} {'step s':>9} {'MFU':>6} "
+            f"{'compute s':>9} {'comm s':>9} {'GB sent':>9} {'state GB':>9} {'act GB':>8} {'total GB':>9}  "
+            "slowest axes")
     lines = [head]
     for i, p in enumerate(plans[:top], 1):
         worst = sorted(p.axes.items(), key=lambda kv: -kv[1]["seconds"])[:2]
@@ -178,7 +195,8 @@ def table(plans: list[Plan], top: int) -> str:
         m = p.memory
         state = m["params"] + m["grads"] + m["optimizer"]
         lines.append(f"{i:>4} {p.data:>5} {p.x:>4} {p.y:>4} {p.z:>4} {f'{p.micro_batch}x{p.micro_batches}':>9} "
-                     f"{p.seconds:>9.4g} {p.moved_bytes / GB:>9.4g} {state / GB:>9.4g} "
+                     f"{p.step_seconds:>9.4g} {100 * p.mfu:>5.1f}% {p.compute_seconds:>9.4g} {p.comm_seconds:>9.4g} "
+                     f"{p.moved_bytes / GB:>9.4g} {state / GB:>9.4g} "
                      f"{m['activations'] / GB:>8.4g} {m['total'] / GB:>9.4g}  {slow}")
     return "\n".join(lines)
 

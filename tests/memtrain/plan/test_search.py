@@ -3,8 +3,9 @@
 - Placement: which groups stay inside a node under the rank layout, and what a collective then costs.
 - Llama 3.1 405B on a fake 4096-rank process group: the memory estimate equals the meta-device
   parallelization's parameter bytes per rank.
-- The CLI: the 405B plan on 4096 GPUs (ranked, valid, fitting grids), a JSON table, and one-line errors
-  (exit 2) for N < 1, an unknown model and a GPU count no grid can use (naming the divisibility that fails).
+- The CLI: the 405B plan on 4096 GPUs (ranked by step time, valid, fitting grids, MFU within the matmul
+  efficiency), a JSON table, and one-line errors (exit 2) for N < 1, an unknown model and a GPU count no grid can
+  use (naming the divisibility that fails).
 """
 
 import json
@@ -89,9 +90,10 @@ def test_405b_on_4096_gpus_plans_every_grid(tmp_path, capsys):
     doc = json.loads(out.read_text())
     plans = doc["plans"]
     assert len(text.splitlines()) >= 13 and plans and doc["summary"]["grids"] == 455  # C(15, 3) factorizations
-    assert [p["seconds"] for p in plans] == sorted(p["seconds"] for p in plans)
+    assert [p["step_seconds"] for p in plans] == sorted(p["step_seconds"] for p in plans)
     for p in plans:
         assert p["data"] * p["x"] * p["y"] * p["z"] == 4096 and p["memory"]["total"] <= 80e9
+        assert 0 < p["mfu"] <= 0.87 and p["compute_seconds"] <= p["step_seconds"]  # never above dgx-a100's matmuls
         assert 128 % p["y"] == 0 and 8 % p["y"] == 0 and 16384 % p["x"] == 0 and 4096 % (p["data"] * p["z"]) == 0
 
 

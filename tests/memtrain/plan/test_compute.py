@@ -1,0 +1,232 @@
+"""The planner's compute model (memtrain/plan/compute.py) and the step time it ranks grids by.
+
+- FLOPs: torch.utils.flop_counter.FlopCounterMode counts what really runs: on one process, an HF model's forward and
+  backward (the model FLOPs of MFU, and the per-rank count at the 1-rank grid); on 8 forked gloo ranks, the
+  trainer's own step (train_step: two micro-batches, overlap, AdamW) of parallelized models, sharded and easy, with
+  padded vocabulary, a transposed-layer-heavy X grid and activation checkpointing. Compared: the matmul FLOPs
+  (aten.mm/addmm) and attention's (CPU flash SDPA, which the counter does not map by itself: mapped here with
+  torch's own SDPA formulas), and on the ranks the shape (m, k, n) of every matmul, which the time model reads
+  (FLOPs alone cannot tell a [t, 8] x [8, 64] shard from a [t, 64] x [64, 8] one). All integers from shapes:
+  equal, exactly. Left out on both sides: the rotary table's bmm (b x head_dim x seq FLOPs, no weight or
+  attention product).
+- Overlap arithmetic: cases each of which a plausible wrong formula gets wrong.
+- Records by overlap class; the matmul rate table (interpolation, edges, a precision not measured); the search
+  ranks by predicted step time, with MFU from it.
+"""
+
+import math
+from collections import Counter
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
+
+import parallel
+from memtrain.config import RunConfig
+from memtrain.hf import parallelize
+from memtrain.models import build_model
+from memtrain.plan import compute, cost, network, search
+from memtrain.training import build_optimizer, train_step
+from parallel import Grid
+from parallel.forked import run_ranks
+from tests.memtrain._models import tiny
+
+aten = torch.ops.aten
+B, S = 16, 8
+# (grid, family, mode, activation checkpointing)
+CASES = [((2, 2, 2, 1), "llama", "sharded", False), ((2, 2, 2, 1), "llama", "easy", False),
+         ((1, 8, 1, 1), "llama", "sharded", False), ((1, 2, 2, 2), "llama", "sharded", True),
+         ((1, 1, 8, 1), "gpt2", "sharded", False), ((2, 1, 2, 2), "neox", "easy", False)]
+
+
+def counter() -> FlopCounterMode:
+    """FlopCounterMode with CPU flash attention mapped to torch's SDPA formulas (2 products forward, 5 backward)."""
+    return FlopCounterMode(display=False, custom_mapping={
+        aten._scaled_dot_product_flash_attention_for_cpu: lambda q, k, v, *a, out_shape=None, **kw:
+            sdpa_flop_count(q, k, v),
+        aten._scaled_dot_product_flash_attention_for_cpu_backward: lambda g, q, k, v, *a, out_shape=None, **kw:
+            sdpa_backward_flop_count(g, q, k, v)})
+
+
+def split(fc: FlopCounterMode) -> tuple[int, int]:
+    """(matmul, attention) FLOPs counted."""
+    got = fc.get_flop_counts()["Global"]
+    matmul = got.get(aten.mm, 0) + got.get(aten.addmm, 0)
+    return matmul, sum(v for op, v in got.items() if "attention" in str(op))
+
+
+class MatmulShapes(TorchDispatchMode):
+    """Counts the (m, k, n) of every [m, k] x [k, n] aten.mm."""
+
+    def __init__(self):
+        super().__init__()
+        self.shapes = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is aten.mm.default:
+            self.shapes[(*args[0].shape, args[1].shape[1])] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _model(family, device):
+    return tiny(family, device, **({"num_hidden_layers": 2} if family == "llama" else {}))
+
+
+# --------------------------------------------------------------------------------------------------
+# FLOPs against FlopCounterMode.
+
+
+def test_one_process_model_flops_and_one_rank_count():
+    """ladder-1m (6 layers, vocab 4096) forward + backward in HF's own code: the matmuls are 6 x parameters x tokens
+    of MFU's numerator; with attention, the planner's per-rank count at the 1-rank grid."""
+    model = build_model("ladder-1m")
+    shape = cost.shape_of(model.config)
+    batch, seq = 2, 16
+    ids = torch.randint(0, shape.vocab, (batch, seq), generator=torch.Generator().manual_seed(0))
+    with counter() as fc:
+        model(input_ids=ids, labels=ids).loss.backward()
+    matmul, att = split(fc)
+    grid = Grid(1, 1, 1, 1)
+    attention_forward, _ = compute.attention(shape, grid, "sharded", batch, seq)
+    assert matmul == compute.model_flops(shape, batch, seq) - 3 * attention_forward
+    assert att == attention_forward * (1 + compute.FLASH_BACKWARD)
+    net = network.Network()
+    assert compute.step_compute(shape, grid, "sharded", batch, seq, None, net).flops == matmul + att
+
+
+def _worker(rank, world):
+    out, grids = {}, {}
+    g = torch.Generator().manual_seed(3)
+    for case in CASES:
+        degrees, family, mode, recompute = case
+        if degrees not in grids:
+            grids[degrees] = parallel.Grid(*degrees, rank=rank)
+            grids[degrees].build_groups()
+        grid = grids[degrees]
+        plm = parallelize(_model(family, "meta"), grid, mode, seed=1, device="cpu")
+        if recompute:
+            plm.enable_activation_checkpointing()
+        opt = build_optimizer(plm, RunConfig())
+        vocab = plm.config.vocab_size
+        ids, labels = torch.randint(0, vocab, (B, S), generator=g), torch.randint(0, vocab, (B, S), generator=g)
+        with counter() as fc, MatmulShapes() as mm:
+            train_step(plm, grid, opt, ids, labels, labels != -100, _micro(degrees, mode), overlap=True)
+        out[case] = (*split(fc), mm.shapes)
+    return out
+
+
+def _micro(degrees, mode):
+    """Two micro-batches per step."""
+    return B // (8 if mode == "easy" else degrees[0] * degrees[3]) // 2
+
+
+@pytest.fixture(scope="module")
+def counted():
+    return run_ranks(8, _worker)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"d{c[0][0]}x{c[0][1]}y{c[0][2]}z{c[0][3]}-{c[1]}-{c[2]}"
+                         + ("-recompute" if c[3] else ""))
+def test_per_rank_flops_equal_the_counter(counted, case):
+    degrees, family, mode, recompute = case
+    shape, grid, micro = cost.shape_of(_model(family, "meta").config), Grid(*degrees), _micro(degrees, mode)
+    n_micro = B // cost.rows_split(grid, mode) // micro
+    mm = compute.micro_matmuls(shape, grid, mode, micro, S)
+    shapes = Counter()
+    for key, calls in mm.items():
+        shapes.update({s: c * n_micro * (1 + (recompute and key == "blocks")) for s, c in calls.items()})
+    matmul = sum(2 * m * k * n * c for (m, k, n), c in shapes.items())
+    attention_forward, _ = compute.attention(shape, grid, mode, micro, S)
+    att = n_micro * attention_forward * (1 + compute.FLASH_BACKWARD + recompute)
+    for rank, got in enumerate(counted):
+        assert got[case][:2] == (matmul, att), (rank, got[case][:2], (matmul, att))
+        assert got[case][2] == shapes, (rank, sorted((got[case][2] - shapes).items()),
+                                        sorted((shapes - got[case][2]).items()))
+    assert compute.step_compute(shape, grid, mode, B, S, micro, network.Network(),
+                                checkpointing=recompute).flops == matmul + att
+
+
+# --------------------------------------------------------------------------------------------------
+# Overlap.
+
+
+@pytest.mark.parametrize("compute_s, last_backward, comm, want, wrong", [
+    (1.0, 0.5, {"blocking": 0.5, "weights": 0.0, "grads": 0.0}, 1.5, "blocking hidden"),
+    (10.0, 2.0, {"blocking": 2.0, "weights": 1.0, "grads": 0.0}, 12.0, "blocking hidden"),
+    (10.0, 2.0, {"blocking": 0.0, "weights": 4.0, "grads": 1.0}, 10.0, "overlap not credited"),
+    (10.0, 2.0, {"blocking": 0.0, "weights": 0.0, "grads": 3.0}, 11.0, "gradients hidden behind all compute"),
+    (10.0, 5.0, {"blocking": 0.0, "weights": 8.0, "grads": 4.0}, 12.0, "each kind hidden on its own"),
+    (10.0, 2.0, {"blocking": 1.0, "weights": 9.0, "grads": 5.0}, 15.0, "the larger excess, not one or both"),
+])
+def test_step_time_overlap(compute_s, last_backward, comm, want, wrong):
+    assert compute.step_seconds(compute_s, last_backward, comm) == pytest.approx(want), wrong
+
+
+def test_records_by_overlap_class():
+    shape = cost.shape_of(_model("llama", "meta").config)
+    grid = Grid(2, 2, 2, 2)
+    records = cost.step_records(shape, grid, "sharded", B, S)
+    grads = cost.gradient_records(shape, grid, "sharded")
+    assert {(r.op, r.axes) for r in grads} == {("all_reduce", "data"), ("all_reduce", "z+data")}
+    got = compute.comm_seconds(records, grads, lambda r: 1.0)  # one second per record: counts
+    weights = sum(n for r, n in records.items() if r.axes == "z")
+    assert got["weights"] == weights > 0 and got["grads"] == 2
+    assert got["blocking"] == sum(records.values()) - weights - 2
+    loss_sums = Counter({r: n for r, n in records.items() if r.axes == "z+data" and r.nbytes == 32})
+    assert sum(loss_sums.values()) == 1 and not loss_sums & grads  # same op and axes as a gradient bucket
+
+
+# --------------------------------------------------------------------------------------------------
+# The matmul rate, and the search.
+
+
+def _net(rates=(1.0, 4.0)):
+    """A measured machine whose only probed sizes are 8 and 32; the rate depends on k only."""
+    return network.Network(name="probe", matmuls={"fp32": {"dims": [8, 32], "gflops": [
+        [[rates[0]] * 2, [rates[1]] * 2]] * 2}})
+
+
+def test_matmul_rate_interpolates_in_log_size():
+    net = _net()
+    rate = lambda m, k, n: 2 * m * k * n / net.matmul_seconds(m, k, n, "fp32") / 1e9  # noqa: E731
+    assert rate(8, 8, 8) == pytest.approx(1.0) and rate(8, 32, 8) == pytest.approx(4.0)
+    assert rate(8, 16, 8) == pytest.approx(2.0)  # halfway in log2(k): the geometric mean
+    assert rate(4, 4, 4) == pytest.approx(1.0) and rate(100, 1000, 100) == pytest.approx(4.0)  # edges held
+    assert net.peak_flops("fp32") == 4e9
+    with pytest.raises(ValueError, match="no measured bf16 matmuls"):
+        net.matmul_seconds(8, 8, 8, "bf16")
+    preset = network.load_network("dgx-h100")
+    assert preset.matmul_seconds(1024, 1024, 1024, "bf16") == pytest.approx(2 * 1024**3 / (989e12 * 0.80))
+
+
+def test_measured_matmul_table_is_filled_and_read(monkeypatch, tmp_path):
+    """The probe's table (shapes beyond the budget take the best rate timed inside them) through a JSON file."""
+    monkeypatch.setattr(network, "MATMUL_DIMS", (8, 16))
+    monkeypatch.setattr(network, "MATMUL_BUDGET", {"cpu": 8 * 16 * 16})
+    table = network.measure_matmuls(("fp32",), min_seconds=0.0)["fp32"]
+    assert table["dims"] == [8, 16]
+    g = table["gflops"]
+    assert all(r > 0 for plane in g for row in plane for r in row)
+    assert g[1][1][1] == max(g[a][b][c] for a in (0, 1) for b in (0, 1) for c in (0, 1) if a + b + c < 3)
+    path = tmp_path / "bw.json"
+    path.write_text(__import__("json").dumps({"matmuls": {"fp32": table}}))
+    net = network.load_network(bandwidth=str(path))
+    assert net.matmul_seconds(8, 8, 8, "fp32") == pytest.approx(2 * 8**3 / (g[0][0][0] * 1e9))
+
+
+def test_plans_rank_by_predicted_step_time():
+    """A machine on which thin matmuls (k = 8) run 16x slower than the rest, and communication is fast: the best grid
+    keeps whole features (x = y = 1), not the one whose communication takes least time (it splits heads over Y)."""
+    net = _net((1.0, 16.0))
+    net.gpu_memory_gb = 1e3
+    plans, _ = search.plan(search.PlanConfig("ladder-1m", 8, batch=16, seq=16, mode="sharded", precision="fp32"), net)
+    steps = [p.step_seconds for p in plans]
+    assert steps == sorted(steps) and len(set(steps)) > 1
+    least_comm = min(plans, key=lambda p: p.comm_seconds)
+    assert plans[0].x == plans[0].y == 1 and least_comm.y > 1 and least_comm.step_seconds > plans[0].step_seconds
+    shape = cost.shape_of(search.load_config("ladder-1m"))
+    for p in plans:
+        assert p.compute_seconds <= p.step_seconds <= p.compute_seconds + p.comm_seconds + 1e-12
+        assert p.mfu == pytest.approx(compute.model_flops(shape, 16, 16) / (p.step_seconds * 8 * 16e9))
+        assert math.isfinite(p.flops) and p.flops > 0
