@@ -73,8 +73,9 @@ class Network:
             raise ValueError(f"unknown precision {precision!r}: use bf16 or fp32")
         if self.matmuls and precision not in self.matmuls:
             have = ", ".join(self.matmuls)
-            raise ValueError(f"{self.name}: no measured {precision} matmuls (only {have}): plan with --precision "
-                             f"{next(iter(self.matmuls))}, or measure again with `memtrain plan --measure`")
+            raise ValueError(f"{self.name}: no measured {precision} matmuls (only {have}; `memtrain plan --measure` "
+                             "skips bf16 where it is slower than fp32): plan with --precision "
+                             f"{next(iter(self.matmuls))}")
         return self.matmuls.get(precision)
 
     def peak_flops(self, precision: str) -> float:
@@ -282,7 +283,13 @@ def measure(out: str, sizes_mb, iters: int) -> None:
     gpn = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
     table_ = measure_table(grid.rank, world, gpn, sizes_mb, iters, device)
-    matmuls = measure_matmuls(device=device)
+    # bf16 only where it beats fp32, as train.precision="auto" decides (on an AVX2-only CPU it is 15-40x slower:
+    # minutes of probing for a precision no run would choose); every rank must agree, the probe all-reduces.
+    from memtrain.training.perf import bf16_faster
+
+    fast = torch.tensor([float(bf16_faster(device or torch.device("cpu")))], device=device)
+    torch.distributed.all_reduce(fast, op=torch.distributed.ReduceOp.MIN)
+    matmuls = measure_matmuls(("fp32", "bf16") if fast.item() else ("fp32",), device=device)
     if grid.rank == 0:
         def best(place):
             rates = [v[0] for v in table_["all_reduce"].get(place, {}).values()]
