@@ -14,6 +14,7 @@
   ranks by predicted step time, with MFU from it.
 """
 
+import json
 import math
 from collections import Counter
 
@@ -210,7 +211,7 @@ def test_measured_matmul_table_is_filled_and_read(monkeypatch, tmp_path):
     assert all(r > 0 for plane in g for row in plane for r in row)
     assert g[1][1][1] == max(g[a][b][c] for a in (0, 1) for b in (0, 1) for c in (0, 1) if a + b + c < 3)
     path = tmp_path / "bw.json"
-    path.write_text(__import__("json").dumps({"matmuls": {"fp32": table}}))
+    path.write_text(json.dumps({"matmuls": {"fp32": table}}))
     net = network.load_network(bandwidth=str(path))
     assert net.matmul_seconds(8, 8, 8, "fp32") == pytest.approx(2 * 8**3 / (g[0][0][0] * 1e9))
 
