@@ -23,3 +23,19 @@ def built_grids(rank: int):
         grid = parallel.Grid(*degrees, rank=rank)
         grid.build_groups()
         yield degrees, grid
+
+
+class GridCache(dict):
+    """Built grids by degrees for one rank of a forked world: the cases of a worker that share a grid share its
+    process groups (each new group is a collective over the world)."""
+
+    def __init__(self, rank: int):
+        super().__init__()
+        self.rank = rank
+
+    def __missing__(self, degrees):
+        import parallel
+
+        grid = self[degrees] = parallel.Grid(*degrees, rank=self.rank)
+        grid.build_groups()
+        return grid

@@ -20,26 +20,10 @@ from experiments import slurm, slurm_options, sweep
 from experiments import spec as specs
 from memtrain.config import from_dict
 from tests.experiments import _fake_slurm as fake_slurm
-from tests.experiments._helpers import IDS, SPEC
-from tests.experiments.test_sweep import FAKE, launched, results
+from tests.experiments._helpers import IDS, SPEC, launched, results
 from tests.memtrain.training._helpers import TINY, stdlib_corpus
 
 LOCAL = ["--launcher", "submitit-local", "--poll", "0.2"]
-
-
-@pytest.fixture
-def env(tmp_path, monkeypatch):
-    fake = tmp_path / "fake_memtrain.py"
-    fake.write_text(FAKE)
-    spec = tmp_path / "mini.toml"
-    spec.write_text(SPEC)
-    log = tmp_path / "fake_log.jsonl"
-    monkeypatch.setenv("FAKE_LOG", str(log))
-    monkeypatch.setenv("MEMTRAIN_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setenv("WANDB_MODE", "disabled")
-    for var in ("FAKE_FAIL", "FAKE_KILL", "FAKE_KILL_MARK", "FAKE_SLEEP"):
-        monkeypatch.delenv(var, raising=False)
-    return {"tmp": tmp_path, "runner": f"{sys.executable} {fake}", "spec": spec, "log": log}
 
 
 # ---------------------------------------------------------------------------------------------------

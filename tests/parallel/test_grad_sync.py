@@ -30,7 +30,7 @@ import torch.nn.functional as F
 import parallel
 from memtrain.hf import parallelize
 from parallel.forked import run_ranks
-from tests._helpers import grid_id
+from tests._helpers import GridCache, grid_id
 from tests.memtrain._models import tiny
 
 D, HD, N, LAYERS = 32, 64, 32, 3
@@ -154,12 +154,9 @@ def _compare(a, b):
 
 
 def _worker(rank, world):
-    out, grids = {}, {}
+    out, grids = {}, GridCache(rank)
     for case in CASES:
         name, degrees, mode, ors = case
-        if degrees not in grids:
-            grids[degrees] = parallel.Grid(*degrees, rank=rank)
-            grids[degrees].build_groups()
         grid = grids[degrees]
         model, rows, loss = _mlp_case(grid, mode) if name == "mlp" else _llama_case(grid, mode, "recompute" in name)
         sync = parallel.grad_sync(model, grid, **CAPS)

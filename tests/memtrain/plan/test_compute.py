@@ -23,7 +23,6 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
-import parallel
 from memtrain.config import RunConfig
 from memtrain.hf import parallelize
 from memtrain.models import build_model
@@ -31,6 +30,7 @@ from memtrain.plan import compute, cost, network, search
 from memtrain.training import build_optimizer, train_step
 from parallel import Grid
 from parallel.forked import run_ranks
+from tests._helpers import GridCache
 from tests.memtrain._models import tiny
 
 aten = torch.ops.aten
@@ -97,13 +97,10 @@ def test_one_process_model_flops_and_one_rank_count():
 
 
 def _worker(rank, world):
-    out, grids = {}, {}
+    out, grids = {}, GridCache(rank)
     g = torch.Generator().manual_seed(3)
     for case in CASES:
         degrees, family, mode, recompute = case
-        if degrees not in grids:
-            grids[degrees] = parallel.Grid(*degrees, rank=rank)
-            grids[degrees].build_groups()
         grid = grids[degrees]
         plm = parallelize(_model(family, "meta"), grid, mode, seed=1, device="cpu")
         if recompute:

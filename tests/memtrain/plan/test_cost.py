@@ -31,7 +31,7 @@ from memtrain.training import build_optimizer, train_step
 from parallel import Grid
 from parallel.comm import Record, totals
 from parallel.forked import run_ranks
-from tests._helpers import GRIDS, grid_id
+from tests._helpers import GRIDS, GridCache, grid_id
 from tests.memtrain._models import tiny
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -71,12 +71,9 @@ def run_step(plm, grid, opt, precision, micro, vocab):
 
 
 def _worker(rank, world):
-    out, grids = {}, {}
+    out, grids = {}, GridCache(rank)
     for case in CASES:
         degrees, family, mode, precision, extra = case
-        if degrees not in grids:
-            grids[degrees] = parallel.Grid(*degrees, rank=rank)
-            grids[degrees].build_groups()
         grid = grids[degrees]
         plm = parallelize(_model(family, extra, "meta"), grid, mode, seed=1, device="cpu")
         if ("recompute", True) in extra:
