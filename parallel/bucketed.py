@@ -69,12 +69,8 @@ class GradSync:
     def __init__(self, model_or_params, grid: Grid, *, first_bucket_bytes: int = FIRST_BUCKET_BYTES,
                  bucket_bytes: int = BUCKET_BYTES, rebuild: bool = True):
         self.grid, self.first_bucket_bytes, self.bucket_bytes = grid, first_bucket_bytes, bucket_bytes
-        self.params, self.axes = [], []
-        for p in unique_parameters(model_or_params):
-            axes = tuple(a for a in spec_of(p).reduce_axes if grid.size(a) > 1)
-            if p.requires_grad and axes:
-                self.params.append(p)
-                self.axes.append(axes)
+        synced = _synced(model_or_params, grid)
+        self.params, self.axes = [p for p, _ in synced], [axes for _, axes in synced]
         self._pos = {id(p): i for i, p in enumerate(self.params)}
         self._hooks = [p.register_post_accumulate_grad_hook(self._hook) for p in self.params]
         self.rebuild, self._replan_pending = rebuild, rebuild
@@ -105,9 +101,7 @@ class GradSync:
 
     def matches(self, model_or_params, grid: Grid) -> bool:
         """Whether this sync still covers exactly these parameters on this grid."""
-        params = [p for p in unique_parameters(model_or_params)
-                  if p.requires_grad and any(grid.size(a) > 1 for a in spec_of(p).reduce_axes)]
-        return grid is self.grid and [id(p) for p in params] == [id(p) for p in self.params]
+        return grid is self.grid and [id(p) for p, _ in _synced(model_or_params, grid)] == [id(p) for p in self.params]
 
     def remove(self) -> None:
         """Detach the hooks (a model rebuilt with other parameters or another grid gets a new GradSync)."""
@@ -141,7 +135,6 @@ class GradSync:
         self._fired = [False] * len(self.params)
         self._order: list[int] = []
         self._next = dict.fromkeys(self.queues, 0)
-        self._deferred_state, self._deferred_ids, self._deferred_seen = None, set(), ()
         for b in self.buckets:
             b.ready, b.packed, b.work = 0, [], None
 
@@ -167,19 +160,11 @@ class GradSync:
                 k += 1
             self._next[key] = k
 
-    def _deferred(self, p: torch.Tensor) -> bool:
+    @staticmethod
+    def _deferred(p: torch.Tensor) -> bool:
         """Whether an ORS reduce-scatter into p.grad is pending (its .grad is completed at the overlap exit)."""
         st = overlap_state()
-        if st is None or not st.pending:
-            return False
-        pending, seen = st.pending, self._deferred_seen
-        # pending only grows inside one overlap context (entries are new tuples): read only the new ones
-        if st is not self._deferred_state or not seen or len(pending) < seen[0] or pending[seen[0] - 1] is not seen[1]:
-            self._deferred_state, self._deferred_ids, seen = st, set(), (0, None)
-        for param, _, _ in pending[seen[0]:]:
-            self._deferred_ids.add(id(param))
-        self._deferred_seen = (len(pending), pending[-1])
-        return id(p) in self._deferred_ids
+        return st is not None and id(p) in st.deferred
 
     @torch.no_grad()
     def _launch(self, b: _Bucket) -> None:
@@ -228,6 +213,16 @@ class GradSync:
         module docstring); the parameters that were not ready (deferred, unused) go last."""
         seen = set(self._order)
         self.plan(self._order + [i for i in range(len(self.params) - 1, -1, -1) if i not in seen])
+
+
+def _synced(model_or_params, grid: Grid) -> list[tuple[torch.nn.Parameter, tuple[str, ...]]]:
+    """(parameter, its live reduce axes) of every trainable parameter some axis of `grid` sums."""
+    out = []
+    for p in unique_parameters(model_or_params):
+        axes = tuple(a for a in spec_of(p).reduce_axes if grid.size(a) > 1)
+        if p.requires_grad and axes:
+            out.append((p, axes))
+    return out
 
 
 def grad_sync(model: torch.nn.Module, grid: Grid, **buckets) -> GradSync:

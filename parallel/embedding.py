@@ -220,29 +220,28 @@ class LMHead(ShardedWeight):
     def scores(self, hidden: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-token loss and greedy (argmax) token, both in the caller's row layout like `loss`, from one
         logits computation (evaluation: no gradient)."""
-        lead = labels.shape
-        labels = labels.reshape(-1)
-        logits = self.logits(hidden)
-        if self.mode == "easy":
-            labels = comm.all_gather(labels, self.grid, self.out_axis)
-        top = vocab_parallel_argmax(logits, self.grid, self.out_axis, self.valid)
-        loss = vocab_parallel_cross_entropy(logits, labels, self.grid, self.out_axis)
-        if self.mode == "easy":  # every Y member computed the whole column's rows: keep this rank's chunk
-            n, i = loss.shape[0] // self.grid.size(self.out_axis), self.grid.coord(self.out_axis)
-            loss, top = loss[i * n:(i + 1) * n], top[i * n:(i + 1) * n]
-        return loss.view(lead), top.view(lead)
+        def both(logits, labels):
+            return (vocab_parallel_cross_entropy(logits, labels, self.grid, self.out_axis),
+                    vocab_parallel_argmax(logits, self.grid, self.out_axis, self.valid))
+
+        return self._per_token(hidden, labels, both)
 
     @torch.no_grad()
     def log_probs(self, hidden: torch.Tensor, labels: torch.Tensor,
                   with_stats: bool = False) -> tuple[torch.Tensor, ...]:
         """`vocab_parallel_log_probs` of `hidden`'s logits, each output in the caller's row layout like `loss`
         (evaluation: no gradient)."""
+        return self._per_token(hidden, labels, lambda logits, labels: vocab_parallel_log_probs(
+            logits, labels, self.grid, self.out_axis, self.valid, with_stats))
+
+    def _per_token(self, hidden: torch.Tensor, labels: torch.Tensor, fn) -> tuple[torch.Tensor, ...]:
+        """fn(logits, labels) -> per-token tensors [N] of the logits' rows, returned in the caller's row layout."""
         lead = labels.shape
         labels = labels.reshape(-1)
         logits = self.logits(hidden)
         if self.mode == "easy":
             labels = comm.all_gather(labels, self.grid, self.out_axis)
-        out = vocab_parallel_log_probs(logits, labels, self.grid, self.out_axis, self.valid, with_stats)
+        out = fn(logits, labels)
         if self.mode == "easy":  # every Y member computed the whole column's rows: keep this rank's chunk
             n, i = labels.shape[0] // self.grid.size(self.out_axis), self.grid.coord(self.out_axis)
             out = tuple(t[i * n:(i + 1) * n] for t in out)

@@ -76,15 +76,18 @@ class OverlapState:
     all_gather: bool = False
     prefetcher: Prefetcher | None = None
     pending: list = field(default_factory=list)  # (param, grad shard, work)
+    deferred: set = field(default_factory=set)  # id() of the params in pending (the bucketed sync asks)
 
     def defer_grad(self, param: torch.nn.Parameter, grad: torch.Tensor, work) -> None:
         self.pending.append((param, grad, work))
+        self.deferred.add(id(param))
 
     def finish(self) -> None:
         for param, grad, work in self.pending:
             work.wait()
             param.grad = grad if param.grad is None else param.grad.add_(grad)
         self.pending.clear()
+        self.deferred.clear()
 
 
 _STATE: OverlapState | None = None

@@ -63,7 +63,8 @@ def export(source: str | os.PathLike, out: str | os.PathLike, max_shard_bytes: i
     generation = GenerationConfig(do_sample=False, **ids)
 
     with src, atomic_dir(out) as tmp:
-        config.dtype = _write_weights(src, keys, tmp, max_shard_bytes)  # from_pretrained loads them as they are
+        config.dtype = src.dtype(keys[0])  # from_pretrained loads the weights as they are
+        _write_weights(src, keys, tmp, max_shard_bytes)
         config.save_pretrained(tmp)
         # safetensors creates its files owner-only (0600): give them the mode of the files beside them.
         for f in tmp.glob("*.safetensors"):
@@ -130,7 +131,7 @@ def _open_checked(ckpt: Path, model, name: str):
     return src, keys
 
 
-def _write_weights(src, keys: list[str], out: Path, max_shard_bytes: int):
+def _write_weights(src, keys: list[str], out: Path, max_shard_bytes: int) -> None:
     """HF's layout: model.safetensors, or model-0000i-of-0000n.safetensors files of at most `max_shard_bytes`
     with model.safetensors.index.json. One file's tensors are in memory at a time, never the whole model."""
     sizes = {k: math.prod(src.shape(k)) * src.dtype(k).itemsize for k in keys}
@@ -143,14 +144,11 @@ def _write_weights(src, keys: list[str], out: Path, max_shard_bytes: int):
         size += sizes[k]
     names = (["model.safetensors"] if len(groups) == 1 else
              [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))])
-    dtype = None
     for name, group in zip(names, groups):
         tensors = {k: src.read(k).contiguous() for k in group}
-        dtype = dtype or next(iter(tensors.values())).dtype
         save_file(tensors, str(out / name), metadata={"format": "pt"})  # format=pt as save_pretrained writes it
         del tensors
     if len(groups) > 1:
         index = {"metadata": {"total_size": sum(sizes.values())},
                  "weight_map": {k: name for name, group in zip(names, groups) for k in group}}
         (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
-    return dtype

@@ -117,9 +117,10 @@ def validate(args, cfg: PlanConfig, net, start: float) -> int:
     else:
         plans, _ = plan(cfg, net)
         grid = plans[0].grid
+        cfg.micro_batch = cfg.micro_batch or plans[0].micro_batch  # choose_micro would search again for it
         print(f"validating the best plan's grid: data={grid[0]} x={grid[1]} y={grid[2]} z={grid[3]}")
     cfg.micro_batch = dryrun.choose_micro(cfg, grid, net)
-    trainer, modelled = getattr(ParallelConfig(), "grad_sync", None), dryrun.default_grad_sync()
+    trainer, modelled = ParallelConfig().grad_sync, dryrun.MODELLED_GRAD_SYNC
     if args.grad_sync is None and modelled != trainer:
         print(f"the planner models grad_sync={modelled} (the trainer's default is {trainer}): validating that; "
               f"--grad-sync {trainer} runs the other")

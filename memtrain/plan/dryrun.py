@@ -36,7 +36,7 @@ Reported, each beside the planner's figure:
 from __future__ import annotations
 
 import contextlib
-import inspect
+import math
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
@@ -289,21 +289,10 @@ class _SavedTensors:
 # The run.
 
 
-def _accepted(fn, **kw) -> dict:
-    """The keyword arguments `fn` takes (the step's options follow what trainer and planner support)."""
-    params = inspect.signature(fn).parameters
-    return {k: v for k, v in kw.items() if k in params}
-
-
-def default_grad_sync() -> str | None:
-    """The gradient sync to validate: the trainer's default (parallel.grad_sync) when the planner models it
-    (cost.step_records takes grad_sync), else 'blocking', the path cost.py transcribes (sync_gradients)."""
-    from memtrain.config import ParallelConfig
-
-    trainer = getattr(ParallelConfig(), "grad_sync", None)
-    if trainer is None or "grad_sync" in inspect.signature(cost.step_records).parameters:
-        return trainer
-    return "blocking"
+MODELLED_GRAD_SYNC = "blocking"
+"""The gradient sync the dry run validates by default: the one cost.step_records transcribes (sync_gradients, one
+flat all-reduce per set of reduce axes). The trainer's default, the overlapped sync, moves the same bytes in
+buckets the planner does not cut."""
 
 
 def _checked(cfg: PlanConfig, grid: tuple[int, ...]):
@@ -333,7 +322,7 @@ def choose_micro(cfg: PlanConfig, grid: tuple[int, ...], net: Network | None) ->
 def dry_run(cfg: PlanConfig, grid: tuple[int, int, int, int], *, rank: int = 0, overlap: bool = True,
             grad_sync: str | None = None, steps: int = 1) -> DryRun:
     """One optimizer step of `cfg` on `grid` (data, x, y, z) as rank `rank` of a fake world; see the module
-    docstring. cfg.micro_batch must be set (choose_micro); grad_sync None is `default_grad_sync()`. `steps` > 1
+    docstring. cfg.micro_batch must be set (choose_micro); grad_sync None is MODELLED_GRAD_SYNC. `steps` > 1
     runs that many steps and measures the last (bucket orders observed in a first step take effect from the
     second)."""
     import torch.distributed as dist
@@ -346,22 +335,18 @@ def dry_run(cfg: PlanConfig, grid: tuple[int, int, int, int], *, rank: int = 0, 
 
     if dist.is_initialized():
         raise RuntimeError("the dry run starts its own fake process group: torch.distributed is already running")
-    world = 1
-    for d in grid:
-        world *= d
+    world = math.prod(grid)
     if not 0 <= rank < world:
         raise ValueError(f"--rank {rank} is outside a grid of {world} ranks")
     if cfg.batch is None or cfg.micro_batch is None:
         raise ValueError("dry_run needs cfg.batch and cfg.micro_batch (see choose_micro)")
     if cfg.param_bytes != 4:
         raise ValueError(f"param_bytes={cfg.param_bytes}: the trainer keeps fp32 parameters (4 bytes)")
-    if grad_sync is None:
-        grad_sync = default_grad_sync()
     seconds = {}
     t0 = time.perf_counter()
     _, mode, shape = _checked(cfg, grid)
     amp = torch.bfloat16 if cfg.precision == "bf16" else None
-    step_kw = _accepted(train_step, overlap=overlap, **({} if grad_sync is None else {"grad_sync": grad_sync}))
+    step_kw = {"overlap": overlap, "grad_sync": grad_sync or MODELLED_GRAD_SYNC}
 
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     try:
@@ -409,9 +394,7 @@ def dry_run(cfg: PlanConfig, grid: tuple[int, int, int, int], *, rank: int = 0, 
     g = parallel.Grid(*grid, rank=rank)
     kw = dict(precision=cfg.precision, param_bytes=cfg.param_bytes)
     predicted = cost.step_records(shape, g, mode, cfg.batch, cfg.seq, cfg.micro_batch,
-                                  checkpointing=cfg.activation_checkpointing, **kw,
-                                  **_accepted(cost.step_records, **{k: v for k, v in step_kw.items()
-                                                                     if k != "overlap"}))
+                                  checkpointing=cfg.activation_checkpointing, **kw)
     want = cost.state_bytes(shape, g, mode, cfg.param_bytes)
     memory = [Check(k, want[k], got[k]) for k in MEMORY_KEYS]
     est = cost.activation_bytes(shape, g, mode, cfg.micro_batch * cfg.seq,
@@ -483,4 +466,4 @@ def to_json(run: DryRun) -> dict:
     }
 
 
-__all__ = ["Check", "DryRun", "Record", "choose_micro", "default_grad_sync", "dry_run", "header", "table", "to_json"]
+__all__ = ["Check", "DryRun", "Record", "MODELLED_GRAD_SYNC", "choose_micro", "dry_run", "header", "table", "to_json"]

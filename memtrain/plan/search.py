@@ -106,19 +106,21 @@ def evaluate(shape, grid: Grid, mode: str, cfg: PlanConfig, net: Network, micro:
     records = cost.step_records(shape, grid, mode, cfg.batch, cfg.seq, micro,
                                 checkpointing=cfg.activation_checkpointing, **kw)
     axes: dict[str, dict] = {}
+    seconds = {}  # one record's time, for the overlap classes below
     for r, n in records.items():
         inside = inside_node(grid, r.axes.split("+"), net.gpus_per_node)
         a = axes.setdefault(r.axes, {"payload": 0, "moved": 0.0, "seconds": 0.0, "inside_node": inside})
+        seconds[r] = net.seconds(r, inside)
         a["payload"] += n * r.nbytes
         a["moved"] += n * r.moved_bytes
-        a["seconds"] += n * net.seconds(r, inside)
+        a["seconds"] += n * seconds[r]
     memory = cost.state_bytes(shape, grid, mode, cfg.param_bytes)
     memory["activations"] = cost.activation_bytes(shape, grid, mode, micro * cfg.seq,
                                                   checkpointing=cfg.activation_checkpointing, **kw)
     memory["total"] = sum(memory.values())
     local = cfg.batch // cost.rows_split(grid, mode)
     gradients = cost.gradient_records(shape, grid, mode, cfg.param_bytes)
-    comm = compute.comm_seconds(records, gradients, lambda r: net.seconds(r, axes[r.axes]["inside_node"]))
+    comm = compute.comm_seconds(records, gradients, seconds.__getitem__)
     work = compute.step_compute(shape, grid, mode, cfg.batch, cfg.seq, micro, net, cfg.precision,
                                 cfg.activation_checkpointing)
     step = compute.step_seconds(work.seconds, work.last_backward_seconds, comm)

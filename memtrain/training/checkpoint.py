@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import shutil
 from collections import defaultdict
 from contextlib import ExitStack
@@ -38,7 +37,7 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 
 import parallel
-from memtrain.files import replace_dir
+from memtrain.files import replace_dir, write_atomic
 from memtrain.hf.slots import Source
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -54,7 +53,7 @@ class CheckpointSource(Source):
     def __init__(self, files: list[Path], prefix: str = ""):
         from safetensors import safe_open
 
-        self._stack, self._dict, self._handles = ExitStack(), None, {}
+        self._stack = ExitStack()
         self._pieces: dict[str, list] = defaultdict(list)
         self._shapes: dict[str, tuple[int, ...]] = {}
         for f in files:
@@ -179,9 +178,7 @@ def save(run_dir: Path, plm, opt, sched, step: int, extra: dict) -> Path | None:
                  grid={a: getattr(grid, a) for a in parallel.AXES})
     (tmp / "state.json").write_text(json.dumps(state))
     replace_dir(tmp, final)
-    latest_tmp = root / f".latest_{os.getpid()}"
-    latest_tmp.write_text(final.name)
-    os.replace(latest_tmp, root / "latest")
+    write_atomic(root / "latest", final.name)
     return final
 
 

@@ -58,7 +58,7 @@ def test_real_sweep_through_submitit_local_appends_results_as_jobs_finish(tmp_pa
     summary = sweep.run_sweep(spec, out, launcher="submitit-local", cluster=slurm_options.ClusterOptions(poll_s=0.2),
                               report=False, log=log)
     assert summary["ok"] == 2 and summary["failed"] == 0 and not summary["pending"], results(out)
-    assert [points[-1] for _, points in seen] == [pid for pid, _ in seen]  # appended one by one as they finished
+    assert len(seen) == 2 and [points[-1] for _, points in seen] == [pid for pid, _ in seen]  # appended as each ended
     rows = {r["point"]: r for r in results(out)}
     for pid, ranks in (("one-rank", 1), ("two-ranks", 2)):
         r = rows[pid]
@@ -107,7 +107,7 @@ def test_failed_job_is_named_with_its_log_and_resume_resubmits_only_it(env, caps
     assert json.loads((out / "ladder-3m_standard" / "job.json").read_text())["job_id"] != job_id
 
 
-def test_resume_collects_a_finished_job_and_resubmits_a_removed_point(env, capsys):
+def test_resume_collects_a_finished_job_and_resubmits_a_removed_point(env):
     """Two points lose their results line (the sweep died before appending it): one still has its run directory
     and job.json, so its finished job is collected, not run again; the other's directory is gone too, so only
     it is submitted again."""
@@ -148,7 +148,7 @@ def test_resume_waits_for_jobs_still_running_and_never_submits_them_twice(env, c
     assert sorted((r["point"], r["job"]["id"]) for r in results(out)) == sorted(ids.items())
 
 
-def test_a_job_at_its_time_limit_is_requeued_and_resumes_from_its_checkpoint(env, capsys):
+def test_a_job_at_its_time_limit_is_requeued_and_resumes_from_its_checkpoint(env):
     """--time 1 on submitit-local: 30 s before the limit submitit warns the task (as SLURM's --signal does), which
     requeues the job with TrainJob.checkpoint(): the same command with --resume. The trainer, which ignores the
     warning, is stopped; the requeued job resumes and ends ok: one job, one result."""

@@ -11,7 +11,7 @@
   on 8 gloo ranks, sharded (1,2,2,2) and easy (2,2,1,2) through `GridModel`, equals the plain model's on one
   process: the same greedy tokens and exact/token/ROUGE/prefix metrics, losses and MIA scores within 1e-5
   relative (sharded matmuls and the vocabulary-parallel softmax sum in another order), every rank with the same
-  results, and only global rank 0 writing them.
+  results, and the files of the rank told to write them (rank 0, as evaluate_after picks; the CLI test runs that).
 - Teacher forcing: on a partly memorized model, "every suffix token is the greedy choice given the true
   tokens before it" (memtrain.hf.teacher_forced, one forward pass) equals "greedy decoding reproduces the
   suffix" (eval.greedy_decode), sequence by sequence, for every suffix length from 1 to 24 (a mix of hits

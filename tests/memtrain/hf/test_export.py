@@ -116,9 +116,9 @@ def test_export_of_a_checkpoint_replaces_an_earlier_export(run, exported):
     assert not [p for p in exported.parent.iterdir() if p.name.startswith(".")]  # no temporary left behind
 
 
-def test_large_models_export_in_shards_one_file_in_memory_at_a_time(run, exported, tmp_path):
-    """Over --max-shard-gb the weights go to HF's model-0000i-of-0000n files and index, written one file at a
-    time; from_pretrained loads them to the same tensors as the single-file export."""
+def test_large_models_export_in_shards(run, exported, tmp_path):
+    """Over --max-shard-gb the weights go to HF's model-0000i-of-0000n files and index; from_pretrained loads
+    them to the same tensors as the single-file export."""
     from transformers import AutoModelForCausalLM
 
     from memtrain.hf.export import export

@@ -31,10 +31,11 @@ from memtrain.training import build_optimizer, train_step
 from parallel import Grid
 from parallel.forked import run_ranks
 from tests._helpers import GridCache
-from tests.memtrain._models import tiny
+from tests.memtrain.plan.test_cost import B, S, _micro  # the byte model's step: two micro-batches
+from tests.memtrain.plan.test_cost import _model as cost_model
 
 aten = torch.ops.aten
-B, S = 16, 8
+
 # (grid, family, mode, activation checkpointing)
 CASES = [((2, 2, 2, 1), "llama", "sharded", False), ((2, 2, 2, 1), "llama", "easy", False),
          ((1, 8, 1, 1), "llama", "sharded", False), ((1, 2, 2, 2), "llama", "sharded", True),
@@ -71,7 +72,7 @@ class MatmulShapes(TorchDispatchMode):
 
 
 def _model(family, device):
-    return tiny(family, device, **({"num_hidden_layers": 2} if family == "llama" else {}))
+    return cost_model(family, (), device)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -112,11 +113,6 @@ def _worker(rank, world):
             train_step(plm, grid, opt, ids, labels, labels != -100, _micro(degrees, mode), overlap=True)
         out[case] = (*split(fc), mm.shapes)
     return out
-
-
-def _micro(degrees, mode):
-    """Two micro-batches per step."""
-    return B // (8 if mode == "easy" else degrees[0] * degrees[3]) // 2
 
 
 @pytest.fixture(scope="module")
