@@ -6,7 +6,7 @@ from __future__ import annotations
 
 def sweep(argv: list[str]) -> int:
     """run a memorization sweep: memtrain sweep SPEC [--set ...] [--resume]"""
-    from experiments.sweep import main
+    from experiments.sweep.cli import main
 
     return main(argv)
 
@@ -20,7 +20,7 @@ def plot(argv: list[str]) -> int:
 
 def demo(argv: list[str]) -> int:
     """the quick memorization sweep (same as `memtrain sweep quick`)"""
-    from experiments.sweep import build_parser, main
+    from experiments.sweep.cli import build_parser, main
 
     parser = build_parser(preset="quick", prog="memtrain demo", description=(
         "The quick memorization sweep, what `make demo` runs: the same as `memtrain sweep quick` (see "

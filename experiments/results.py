@@ -1,60 +1,32 @@
-"""A sweep's results file and the record of one finished run.
+"""A sweep's results file and the record of one finished run: the one schema between the sweep that writes it
+(experiments.sweep) and the report that reads it (experiments.report); neither reaches past it into the other.
 
-results.jsonl is only ever appended to (one flushed line per finished or failed run), never rewritten;
-the last line of a point wins when it was retried. Reading it needs no torch (`memtrain plot` starts fast).
+results.jsonl is only ever appended to (one fsync'd line per finished or failed run, `memtrain.files.append_jsonl`),
+never rewritten; a line cut short by a kill is skipped with a warning when read (`memtrain.files.read_jsonl`), and
+the last line of a point wins when it was retried (`latest_by_point`). Reading it needs no torch (`memtrain plot`
+starts fast).
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
-import os
-import sys
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from memtrain.files import read_jsonl
+from memtrain.run_files import EVAL, EVAL_CANARIES, METRICS, PASSES, RUN
 
 if TYPE_CHECKING:
     from memtrain.config import RunConfig
 
 RESULTS = "results.jsonl"
+BASE_INFO = "base.json"
+"""What a cached base model's directory says of it (written by experiments.sweep.base_models)."""
 
-
-def read_results(path: Path) -> list[dict]:
-    """Every record of a results.jsonl (a line cut by a kill, or anything but a JSON object, is skipped with a
-    warning)."""
-    rows = []
-    if not path.is_file():
-        return rows
-    for n, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            print(f"warning: {path}:{n} is not valid JSON (an interrupted write?); ignored", file=sys.stderr)
-            continue
-        if isinstance(row, dict):
-            rows.append(row)
-        else:
-            print(f"warning: {path}:{n} is not a JSON object (a result record); ignored", file=sys.stderr)
-    return rows
-
-
-def append_result(path: Path, record: dict) -> None:
-    """Append one line and flush it to disk; a previous line cut short by a kill is left alone."""
-    line = json.dumps(record, default=str) + "\n"
-    with open(path, "a+b") as f:
-        f.seek(0, os.SEEK_END)
-        if f.tell() > 0:
-            f.seek(-1, os.SEEK_END)
-            if f.read(1) != b"\n":
-                line = "\n" + line  # never glue our line onto a torn one
-        f.seek(0, os.SEEK_END)
-        f.write(line.encode())
-        f.flush()
-        os.fsync(f.fileno())
+_CANARY_KEYS = ("id", "kind", "copies", "inserted", "exact_match", "token_match", "rouge_l", "rouge_l_text",
+                "longest_prefix", "exposure", "exact_match_in_row")
 
 
 def latest_by_point(rows: list[dict]) -> dict[str, dict]:
@@ -67,11 +39,6 @@ def latest_by_point(rows: list[dict]) -> dict[str, dict]:
 
 def now() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
-
-
-
-_CANARY_KEYS = ("id", "kind", "copies", "inserted", "exact_match", "token_match", "rouge_l", "rouge_l_text",
-                "longest_prefix", "exposure", "exact_match_in_row")
 
 
 def _read_json(path: Path):
@@ -89,19 +56,18 @@ def _median(xs):
     return xs[m] if len(xs) % 2 else (xs[m - 1] + xs[m]) / 2
 
 
+# A run's own JSONL files are read quietly: a line a killed trainer left torn is not the sweep's news (its
+# record says how the run ended), and results.jsonl's reader already warns about its own torn lines.
+
+
 def train_summary(run_dir: Path) -> dict:
     """Final training metrics of a run from its metrics.jsonl (loss at the end, median throughput)."""
-    recs = []
-    path = run_dir / "metrics.jsonl"
-    if path.is_file():
-        for line in path.read_text().splitlines():
-            with contextlib.suppress(ValueError):
-                recs.append(json.loads(line))
+    recs = read_jsonl(run_dir / METRICS, quiet=True)
     if not recs:
         return {}
     last = recs[-1]
     tail = recs[-max(1, len(recs) // 10):]
-    out = {k: last.get(k) for k in ("step", "loss", "tokens", "lr", "loss_kept", "loss_dropped", "epoch")}
+    out = {k: last.get(k) for k in ("step", "loss", "tokens", "lr", "loss_dropped", "epoch")}
     out["loss_tail_mean"] = sum(r.get("loss", 0.0) for r in tail) / len(tail)
     out["tokens_per_s"] = _median([r.get("tokens_per_s") for r in recs[1:] or recs])
     out["mfu"] = _median([r.get("mfu") for r in recs[1:] or recs])
@@ -112,14 +78,13 @@ def train_summary(run_dir: Path) -> dict:
 
 
 def canary_rows(run_dir: Path) -> list[dict]:
-    rows = []
-    path = run_dir / "eval_canaries.jsonl"
-    if path.is_file():
-        for line in path.read_text().splitlines():
-            with contextlib.suppress(ValueError):
-                r = json.loads(line)
-                rows.append({k: r[k] for k in _CANARY_KEYS if k in r})
-    return rows
+    """The per-canary rows of a run's evaluation, without the generated text (the record stays small)."""
+    return [{k: r[k] for k in _CANARY_KEYS if k in r} for r in read_jsonl(run_dir / EVAL_CANARIES, quiet=True)]
+
+
+def passes(run_dir: Path) -> list[dict]:
+    """The per-pass scores of a run (passes.jsonl)."""
+    return read_jsonl(run_dir / PASSES, quiet=True)
 
 
 def loss_label(cfg: RunConfig) -> str:
@@ -131,24 +96,14 @@ def loss_label(cfg: RunConfig) -> str:
     return f"goldfish k={loss.k}{extra}"
 
 
-def passes(run_dir: Path) -> list[dict]:
-    """The per-pass scores of a run (passes.jsonl)."""
-    rows = []
-    path = run_dir / "passes.jsonl"
-    if path.is_file():
-        for line in path.read_text().splitlines():
-            with contextlib.suppress(ValueError):
-                rows.append(json.loads(line))
-    return rows
-
-
 def make_record(spec_name: str, point, run_dir: Path, base_dir: Path | None, status: str,
                 error: str | None, started: str, seconds: float) -> dict:
-    run = _read_json(run_dir / "run.json") or {}
-    ev = _read_json(run_dir / "eval.json")
-    base = _read_json(base_dir / "base.json") if base_dir else None
+    """The results line of a sweep point (experiments.sweep.spec.Point) that ran into `run_dir`."""
+    run = _read_json(run_dir / RUN) or {}
+    ev = _read_json(run_dir / EVAL)
+    base = _read_json(base_dir / BASE_INFO) if base_dir else None
     if status == "ok" and ev is None and point.cfg.eval.enabled:
-        status, error = "failed", "the run exited 0 but wrote no eval.json"
+        status, error = "failed", f"the run exited 0 but wrote no {EVAL}"
     return {
         "sweep": spec_name, "point": point.id, "status": status, "error": error,
         "axes": point.axes, "model": point.cfg.model.name, "loss": loss_label(point.cfg),
@@ -162,5 +117,3 @@ def make_record(spec_name: str, point, run_dir: Path, base_dir: Path | None, sta
         "run": {k: run.get(k) for k in ("grid", "mode", "trained")},
         "config": point.cfg.to_dict(),
     }
-
-

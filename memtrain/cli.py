@@ -4,16 +4,18 @@ The experiments layer adds sweep, plot and demo through the entry-point group "m
 (pyproject.toml): memtrain itself never imports the layer above it. A registered command is a function
 `command(argv) -> exit code` whose docstring is its help line.
 
-Bad input ends with one line `memtrain: error: ...` naming the value and the fix, and exit code 2.
+Bad input ends with one line `memtrain: error: ...` naming the value and the fix, and exit code 2
+(memtrain/commandline.py: the rules every memtrain command line shares).
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 from importlib.metadata import entry_points, version
 from pathlib import Path
+
+from memtrain.commandline import ArgumentParser, positive_float, run_command
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # no hub on most research clusters' compute nodes
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -67,7 +69,7 @@ def _eval(args) -> None:
 
 
 def _export(args) -> None:
-    from memtrain.hf.export import export
+    from memtrain.export import export
 
     ckpt, out = export(args.source, args.out, max_shard_bytes=int(args.max_shard_gb * 2**30))
     print(f"exported {ckpt} to {out}")
@@ -101,9 +103,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     plugins = registered()
     if argv and argv[0] == "plan":
-        return _run(lambda: _plan(argv[1:]))
+        return run_command(lambda: _plan(argv[1:]))
     if argv and argv[0] in plugins:
-        return _run(lambda: plugins[argv[0]].load()(argv[1:]))
+        return run_command(lambda: plugins[argv[0]].load()(argv[1:]))
     parser = ArgumentParser(prog="memtrain", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"memtrain {version('memtrain')}")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -133,62 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, ep in plugins.items():
         sub.add_parser(name, help=(ep.load().__doc__ or "").strip().splitlines()[0])
     args = parser.parse_args(argv)
-    return _run(lambda: args.fn(args))
-
-
-def _run(fn) -> int:
-    """Run a command; bad input (a ValueError, or an OSError such as a missing path, a full disk or a denied
-    write) ends as one line and exit 2, Ctrl-C or SIGTERM as exit 130. Anything else is a bug: its traceback
-    is shown."""
-    try:
-        return fn() or 0
-    except KeyboardInterrupt:
-        print("memtrain: interrupted: a run continues from its last checkpoint with --resume", file=sys.stderr)
-        return 130
-    except KeyError as e:  # str() of a KeyError is the repr of its argument
-        return fail(e.args[0] if e.args else "KeyError")
-    except OSError as e:
-        if e.filename is not None and e.strerror:
-            return fail(f"{e.filename}: {e.strerror} (check the path, its permissions and the free space)")
-        return fail(str(e))
-    except ValueError as e:
-        return fail(str(e))
-
-
-def fail(message: str) -> int:
-    """Print the house error line and return the exit code for bad input."""
-    print(f"memtrain: error: {message}", file=sys.stderr)
-    return 2
-
-
-class ArgumentParser(argparse.ArgumentParser):
-    """argparse whose errors are the house one-liner (no usage dump): `memtrain: error: ...`, exit 2."""
-
-    def error(self, message):
-        where = "" if self.prog == "memtrain" else f"{self.prog}: "
-        self.exit(2, f"memtrain: error: {where}{message} (see {self.prog} --help)\n")
-
-
-def positive_int(text: str) -> int:
-    """An argparse type for counts that must be >= 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} is invalid: use an integer >= 1")
-    return value
-
-
-def positive_float(text: str) -> float:
-    """An argparse type for sizes that must be > 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"{value} is invalid: use a number > 0")
-    return value
+    return run_command(lambda: args.fn(args))
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ import textwrap
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import parallel
 from memtrain.data.config import CanaryConfig, DataConfig
 from memtrain.losses import LossConfig
 
@@ -34,6 +35,14 @@ class ModelConfig:
     None trains from the seeded initialization."""
     trust_remote_code: bool = False
     """Allow custom model code from a hub repository (off: only architectures transformers ships)."""
+
+
+PARALLEL_MODES = ("auto", *parallel.MODES)
+"""parallel.mode's choices: the engine's two activation contracts, or 'auto' (sharded for a known architecture)."""
+PRECISIONS = ("auto", "fp32", "bf16")
+"""train.precision's choices (memtrain.training.step.autocast_dtype decides 'auto')."""
+WANDB_MODES = ("auto", "online", "offline", "disabled")
+"""wandb.mode's choices (memtrain.training.tracking decides 'auto')."""
 
 
 @dataclass
@@ -213,20 +222,20 @@ def _one_of(*choices):
 RULES = {
     "parallel.data": (lambda v: v == -1 or v >= 1, "-1 (infer) or a degree >= 1"),
     "parallel.x": _at_least(1), "parallel.y": _at_least(1), "parallel.z": _at_least(1),
-    "parallel.mode": _one_of("auto", "sharded", "easy"),
-    "parallel.backend": _one_of("gloo", "nccl", "mpi", "ucc", "xccl", "fake"),
-    "parallel.grad_sync": _one_of("overlap", "blocking"),
+    "parallel.mode": _one_of(*PARALLEL_MODES),
+    "parallel.backend": _one_of(*parallel.KNOWN_BACKENDS),
+    "parallel.grad_sync": _one_of(*parallel.GRAD_SYNCS),
     "parallel.timeout_s": _above(0),
     "train.batch_size": _at_least(1), "train.micro_batch_size": _at_least(1), "train.epochs": _at_least(1),
     "train.max_steps": _at_least(1), "train.lr": _above(0), "train.min_lr": _at_least(0),
     "train.lr_width": _at_least(1), "train.lr_width_exponent": _at_least(0), "train.lr_scale": _above(0),
     "train.warmup_steps": _at_least(0), "train.weight_decay": _at_least(0), "train.beta1": _fraction(),
-    "train.beta2": _fraction(), "train.grad_clip": _at_least(0), "train.precision": _one_of("auto", "fp32", "bf16"),
+    "train.beta2": _fraction(), "train.grad_clip": _at_least(0), "train.precision": _one_of(*PRECISIONS),
     "train.log_every": _at_least(1), "train.checkpoint_every": _at_least(0),
     "train.checkpoint_every_min": _at_least(0),
     "eval.suffix_len": _at_least(1), "eval.batch_size": _at_least(1), "eval.exposure_samples": _at_least(1),
     "eval.val_docs": _at_least(1),
-    "wandb.mode": _one_of("auto", "online", "offline", "disabled"),
+    "wandb.mode": _one_of(*WANDB_MODES),
 }
 """Range or choice of each field that has one (None, where allowed, always passes)."""
 

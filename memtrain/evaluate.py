@@ -1,6 +1,5 @@
 """Evaluate a trained run's memorization of its canaries: extraction, exposure, MIA, validation loss.
 
-    pass_scores(model, stream, cfg)    # during training, after every pass (collective, on the grid)
     evaluate_after(cfg, result)        # right after `train` (collective, on the grid; rank 0 writes)
     evaluate_run("runs/my-run")        # `memtrain eval RUN_DIR`: again, from a checkpoint (torchrun: on a grid)
 
@@ -10,9 +9,9 @@ it, canaries placed mid-row are also extracted from their recorded row context, 
 is scored the same way as the non-member control. The final evaluation of a distributed run runs on its grid:
 eval's metrics see the sharded model through `memtrain.hf.GridModel`, every rank decodes and scores its share of
 the rows and gets every result, so no rank ever holds the whole model; one process evaluates the plain HF model.
-The per-pass scores are teacher-forced on the grid (exact match is then one forward pass: see
-memtrain.hf.teacher_forced). Global rank 0 writes the results: eval.json (aggregates, also split by copies),
-eval_canaries.jsonl (one row per canary and twin, with the generated text) and passes.jsonl (per pass).
+(The per-pass scores during training are the trainer's probe: memtrain/training/probe.py.) Global rank 0
+writes the results: eval.json (aggregates, also split by copies) and eval_canaries.jsonl (one row per canary
+and twin, with the generated text).
 """
 
 from __future__ import annotations
@@ -21,7 +20,6 @@ import json
 import math
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -33,12 +31,11 @@ from memtrain.config import load as load_config
 from memtrain.data import build_stream
 from memtrain.data.canaries import render_secret
 from memtrain.files import write_atomic
-from memtrain.hf import GridModel, teacher_forced
+from memtrain.hf import GridModel
 from memtrain.models import build_model
 from memtrain.progress import note, seconds, stage
-
-if TYPE_CHECKING:  # the trainer calls pass_scores: importing it here would be circular
-    from memtrain.training.trainer import TrainResult
+from memtrain.run_files import CONFIG, EVAL, EVAL_CANARIES, MANIFEST, RUN
+from memtrain.training import TrainResult, checkpoint, setup
 
 
 def _eval_canaries(canaries, eos: int, copies_seen: dict[str, int]) -> list[ev.Canary]:
@@ -50,24 +47,6 @@ def _eval_canaries(canaries, eos: int, copies_seen: dict[str, int]) -> list[ev.C
         out.append(ev.Canary(tokens=[eos, *c.twin_token_ids], id=c.id + "-twin", kind=c.kind, copies=seen,
                              inserted=False, text=c.twin_text))
     return out
-
-
-def copies_seen(stream, batch_size: int, steps: int) -> dict[str, int]:
-    """Copies of each canary that training actually reached (max_steps may stop before some, and a pass drops
-    the rows after its last full batch: `dropped_copies`)."""
-    per_epoch = len(stream) // batch_size
-    out = {}
-    for c in stream.canaries:
-        out[c.id] = sum(1 for s in range(steps) for p in c.placements
-                        if p.seq_index // batch_size == s % per_epoch and p.seq_index < per_epoch * batch_size)
-    return out
-
-
-def dropped_copies(stream, batch_size: int) -> list[str]:
-    """Ids of the canary copies in the rows every pass drops (the stream's row count is not a multiple of the
-    batch: a short last batch would not split over the grid), one entry per copy."""
-    trained = len(stream) // batch_size * batch_size
-    return [c.id for c in stream.canaries for p in c.placements if p.seq_index >= trained]
 
 
 def _candidates(c, tok):
@@ -121,43 +100,6 @@ def _mean(values):
     return float(np.mean(values)) if values else None
 
 
-def _val_sequences(stream, cfg) -> list[list[int]]:
-    tok = stream.tokenizer
-    return [[stream.eos_id, *tok(t, add_special_tokens=False)["input_ids"]][:stream.seq_len + 1]
-            for t in stream.val_texts[:cfg.eval.val_docs]]
-
-
-def pass_scores(model, stream, cfg) -> dict:
-    """Teacher-forced memorization and utility of a parallelized model after a pass (collective).
-
-    Per (kind, copies) cell of the inserted canaries: k exact of n (the whole suffix of cfg.eval.suffix_len
-    tokens greedily reproduced: identical to greedy extraction), token accuracy and mean loss of the suffix;
-    and the validation loss (token-weighted). The never-trained twins are scored at the end only.
-    """
-    n_suffix = cfg.eval.suffix_len
-    usable = [c for c in stream.canaries if len(c.token_ids) > n_suffix]
-    seqs = [[stream.eos_id, *c.token_ids] for c in usable]
-    val = _val_sequences(stream, cfg)
-    scores = teacher_forced(model, seqs + val, batch_size=cfg.eval.batch_size)
-    cells: dict = {}
-    for c, (loss, right) in zip(usable, scores):
-        cell = cells.setdefault(f"{c.kind}/{c.copies}", [0, 0, 0.0, 0.0])
-        cell[0] += bool(right[-n_suffix:].all())
-        cell[1] += 1
-        cell[2] += float(right[-n_suffix:].mean())
-        cell[3] += float(loss[-n_suffix:].mean())
-    k, n = sum(v[0] for v in cells.values()), sum(v[1] for v in cells.values())
-    out = {"members": {
-        "k": k, "n": n, "exact_match_rate": k / n if n else None,
-        "token_accuracy": sum(v[2] for v in cells.values()) / n if n else None,
-        "suffix_loss": sum(v[3] for v in cells.values()) / n if n else None,
-        "cells": {key: {"k": v[0], "n": v[1], "token_accuracy": v[2] / v[1]} for key, v in cells.items()}}}
-    val_scores = scores[len(seqs):]
-    tokens = sum(loss.size for loss, _ in val_scores)
-    out["val_loss"] = sum(float(loss.sum()) for loss, _ in val_scores) / tokens if tokens else None
-    return out
-
-
 def _in_row_canaries(stream, seen: dict[str, int]) -> list[ev.Canary]:
     """Each canary as its first copy was trained without document attention: after the text before it in its
     row (which ends with the EOS that opens it)."""
@@ -177,7 +119,7 @@ def evaluate(model, stream, cfg, run_dir: Path, steps: int, write: bool = True) 
     one of them with write=True)."""
     if isinstance(model, torch.nn.Module):
         model.eval()
-    seen = copies_seen(stream, cfg.train.batch_size, steps)
+    seen = stream.copies_seen(cfg.train.batch_size, steps)
     canaries = _eval_canaries(stream.canaries, stream.eos_id, seen)
     buried = not stream.document_attention and any(p.offset > 1 for c in stream.canaries for p in c.placements)
     t0 = time.perf_counter()
@@ -195,7 +137,7 @@ def evaluate(model, stream, cfg, run_dir: Path, steps: int, write: bool = True) 
         with stage(f"eval: exposure of {n_random} random canaries and their twins "
                    f"(up to {cfg.eval.exposure_samples:,} candidates each)"):
             expo = _exposures(model, stream, cfg)
-        val = _val_sequences(stream, cfg)
+        val = stream.val_sequences(cfg.eval.val_docs)
         with stage(f"eval: validation loss on {len(val)} held-out documents"):
             val_loss = ev.validation_loss(model, val, batch_size=cfg.eval.batch_size) if val else None
 
@@ -251,9 +193,9 @@ def evaluate(model, stream, cfg, run_dir: Path, steps: int, write: bool = True) 
         result["in_row"] = {k: in_row.aggregates["overall"][k] for k in ("n_evaluated", "exact_match_rate",
                                                                         "token_match_mean", "rouge_l_mean")}
     if write:
-        write_atomic(run_dir / "eval_canaries.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
-        write_atomic(run_dir / "eval.json", json.dumps(result, indent=1))
-        note(f"eval: done in {seconds(time.perf_counter() - t0)}: {run_dir / 'eval.json'}")
+        write_atomic(run_dir / EVAL_CANARIES, "".join(json.dumps(r) + "\n" for r in rows))
+        write_atomic(run_dir / EVAL, json.dumps(result, indent=1))
+        note(f"eval: done in {seconds(time.perf_counter() - t0)}: {run_dir / EVAL}")
     return result | {"rows": rows}
 
 
@@ -290,23 +232,21 @@ def evaluate_run(run_dir: Path, checkpoint_path: str | None = None) -> dict | No
     x, y and z (data takes the remaining ranks), each reads only its shards of the checkpoint, and they evaluate
     on the grid (collective); the scores on global rank 0, None elsewhere."""
     run_dir = Path(run_dir)
-    cfg_path, run_json = run_dir / "config.toml", run_dir / "run.json"
+    cfg_path, run_json = run_dir / CONFIG, run_dir / RUN
     if not cfg_path.is_file() or not run_json.is_file():
         raise FileNotFoundError(f"{str(run_dir)!r} is not a finished run directory (no config.toml/run.json): "
                                 "pass the --out directory of `memtrain train`")
-    if not (run_dir / "canaries.jsonl").is_file():
+    if not (run_dir / MANIFEST).is_file():
         raise FileNotFoundError(f"{str(run_dir)!r} has no canaries.jsonl manifest: nothing to evaluate")
     cfg = load_config(cfg_path)
     info = json.loads(run_json.read_text())
     steps = info["trained"]["steps"]
     source = Path(checkpoint_path) if checkpoint_path else run_dir
-    from memtrain.training import checkpoint, trainer  # not at the top: the trainer imports this module
-
     if parallel.launch_world_size() > 1:
         p = cfg.parallel
         grid = parallel.init(data=-1, x=p.x, y=p.y, z=p.z, backend=p.backend, timeout_s=p.timeout_s or 600.0)
         try:
-            stream, plm = trainer.setup(cfg, grid)
+            stream, plm = setup(cfg, grid)
             _check_stream(run_dir, info, stream)
             with checkpoint.read_weights(source) as src:
                 plm.load_hf_state_dict(src)

@@ -5,13 +5,19 @@ file, and a crash mid-write leaves the previous version intact. The temporary na
 processes writing the same path never share one; `atomic_dir` builds a whole directory that way.
 `file_lock` serializes the builders of one cache entry (two sweeps, or two runs of one sweep, needing the
 same stream or base model) across processes and threads.
+
+JSONL files (metrics, passes, results) are only appended to: `append_jsonl` writes one fsync'd line and never
+glues it onto a line a kill cut short; `read_jsonl` skips such a torn line (and anything but a JSON object) with
+a warning naming the file and line.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
+import sys
 from pathlib import Path
 
 
@@ -72,3 +78,40 @@ def file_lock(path: str | os.PathLike, blocking: bool = True):
     with open(path, "w") as f:
         fcntl.flock(f, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
         yield
+
+
+def append_jsonl(path: str | os.PathLike, record: dict) -> None:
+    """Append `record` as one line and flush it to disk; a previous line cut short by a kill is left alone."""
+    line = json.dumps(record, default=str) + "\n"
+    with open(path, "a+b") as f:
+        f.seek(0, os.SEEK_END)
+        if f.tell() > 0:
+            f.seek(-1, os.SEEK_END)
+            if f.read(1) != b"\n":
+                line = "\n" + line  # never glue our line onto a torn one
+        f.seek(0, os.SEEK_END)
+        f.write(line.encode())
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def read_jsonl(path: str | os.PathLike, *, quiet: bool = False) -> list[dict]:
+    """Every JSON object of a JSONL file, in order ([] when the file is missing). A line that is not one (cut
+    short by a kill, or foreign) is skipped with a warning on stderr unless `quiet`."""
+    path = Path(path)
+    if not path.is_file():
+        return []
+    rows = []
+    for n, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError:
+            row = None
+        if isinstance(row, dict):
+            rows.append(row)
+        elif not quiet:
+            print(f"warning: {path}:{n} is not a complete JSON record (a write cut short by a kill?): skipped",
+                  file=sys.stderr)
+    return rows

@@ -259,6 +259,18 @@ class LossSums(NamedTuple):
     dropped_sum: torch.Tensor
     dropped_count: torch.Tensor
 
+    def kept_mean(self) -> float:
+        """The loss trained on: mean over the kept targets."""
+        return float(self.kept_sum / max(float(self.kept_count), 1))
+
+    def dropped_mean(self) -> float | None:
+        """Mean loss over the targets the Goldfish mask dropped (None when it dropped none)."""
+        return float(self.dropped_sum / self.dropped_count) if self.dropped_count > 0 else None
+
+    def kept_fraction(self) -> float:
+        """Share of the supervised targets that entered the loss."""
+        return float(self.kept_count / max(float(self.kept_count + self.dropped_count), 1))
+
 
 def loss_sums(token_losses: torch.Tensor, keep: torch.Tensor, labels: torch.Tensor) -> LossSums:
     """Split per-token losses [B, S] into kept and dropped sums and counts.

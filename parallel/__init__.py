@@ -9,7 +9,7 @@ in grid.py's, overlap in overlap.py's (gradient all-reduce overlapped with backw
 communication ledger in comm.py's.
 """
 
-from .bucketed import GradSync, grad_sync
+from .bucketed import GRAD_SYNCS, GradSync, grad_sync
 from .comm import LEDGER, Ledger
 from .embedding import (
     IGNORE_INDEX,
@@ -22,15 +22,15 @@ from .embedding import (
     vocab_parallel_log_probs,
 )
 from .grads import clip_grad_norm_, grad_norm, no_sync, sync_gradients
-from .grid import AXES, Grid, current, init, launch_world_size, resolve_degrees, shutdown
-from .linear import Linear
+from .grid import AXES, KNOWN_BACKENDS, Grid, current, init, launch_world_size, resolve_degrees, shutdown
+from .linear import MODES, Linear
 from .overlap import overlap
 from .sharding import BlockLayout, ShardSpec, spec_of, tag, unique_parameters
 
 __all__ = [
-    "AXES", "IGNORE_INDEX", "LEDGER", "BlockLayout", "ColumnEmbedding", "Embedding", "GradSync", "Grid", "LMHead",
-    "Ledger", "Linear", "ShardSpec", "clip_grad_norm_", "current", "grad_norm", "grad_sync", "init",
-    "launch_world_size", "no_sync", "overlap", "padded_vocab", "resolve_degrees", "shutdown", "spec_of",
-    "sync_gradients", "tag", "unique_parameters", "vocab_parallel_argmax", "vocab_parallel_cross_entropy",
-    "vocab_parallel_log_probs",
+    "AXES", "GRAD_SYNCS", "IGNORE_INDEX", "KNOWN_BACKENDS", "LEDGER", "MODES", "BlockLayout", "ColumnEmbedding",
+    "Embedding", "GradSync", "Grid", "LMHead", "Ledger", "Linear", "ShardSpec", "clip_grad_norm_", "current",
+    "grad_norm", "grad_sync", "init", "launch_world_size", "no_sync", "overlap", "padded_vocab", "resolve_degrees",
+    "shutdown", "spec_of", "sync_gradients", "tag", "unique_parameters", "vocab_parallel_argmax",
+    "vocab_parallel_cross_entropy", "vocab_parallel_log_probs",
 ]

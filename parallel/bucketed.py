@@ -55,6 +55,11 @@ FIRST_BUCKET_BYTES = 2**20  # torch DDP's defaults: a small first bucket starts 
 BUCKET_BYTES = 25 * 2**20
 
 
+GRAD_SYNCS = ("overlap", "blocking")
+"""How a step reduces gradients over the grid: 'overlap', this module's buckets launched during backward;
+'blocking', grads.sync_gradients after it. Same sums up to the last bits."""
+
+
 class _Bucket:
     __slots__ = ("axes", "dtype", "index", "ready", "packed", "work", "buf")
 

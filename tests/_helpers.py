@@ -1,4 +1,5 @@
-"""What every multi-rank test shares: the 8-rank grids and the engine's two activation contracts."""
+"""What every multi-rank test shares: the 8-rank grids, the engine's two activation contracts, and the fixtures that
+fork them computed once per session (`once_per_session`)."""
 
 # Every (data, x, y, z) family of 8 ranks: each axis alone, and the mixed 2x2x2 layouts.
 GRIDS = [(8, 1, 1, 1), (1, 8, 1, 1), (1, 1, 8, 1), (1, 1, 1, 8), (2, 2, 2, 1), (1, 2, 2, 2), (2, 1, 2, 2),
@@ -39,3 +40,33 @@ class GridCache(dict):
         grid = self[degrees] = parallel.Grid(*degrees, rank=self.rank)
         grid.build_groups()
         return grid
+
+
+def once_per_session(request, compute):
+    """compute() for a module- or session-scoped fixture, run once per test session even under pytest-xdist.
+
+    Every xdist worker builds its own module fixtures, and `-n 2` spreads one module's tests over both workers:
+    the 8-rank fixtures (one fork computing every case of a module) would run twice, or more. The first worker to
+    ask computes the value and leaves it pickled in the session's shared temporary directory; another worker
+    asking meanwhile waits for it (its cores were busy with that fork anyway) and reads it. Without xdist the
+    value is just computed. The value must pickle (run_ranks results do) and must not be changed by tests."""
+    import fcntl
+    import os
+    import pickle
+
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return compute()
+    root = request.getfixturevalue("tmp_path_factory").getbasetemp().parent / "once-per-session"
+    root.mkdir(exist_ok=True)
+    # the module's node id for a module fixture, the session's ("") for a session fixture: one value per name
+    key = f"{request.node.nodeid or 'session'}::{request.fixturename}".replace("/", ".").replace(":", "-")
+    path = root / f"{key}.pickle"
+    with open(root / f"{key}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also when compute() raises
+        if path.is_file():
+            return pickle.loads(path.read_bytes())
+        value = compute()
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_bytes(pickle.dumps(value))
+        tmp.replace(path)
+        return value

@@ -40,6 +40,7 @@ from memtrain.data.corpus import load_corpus
 from memtrain.data.tokenizer import encode, load_tokenizer, tokenizer_fingerprint, vocab_size
 from memtrain.files import file_lock, write_atomic
 from memtrain.progress import stage
+from memtrain.run_files import MANIFEST
 from parallel import IGNORE_INDEX
 
 FORMAT_VERSION = 1
@@ -109,6 +110,26 @@ class TrainStream:
         out["seq_index"] = torch.arange(lo, hi)
         return out
 
+    def copies_seen(self, batch_size: int, steps: int) -> dict[str, int]:
+        """Copies of each canary that `steps` optimizer steps at this batch size reach (max_steps may stop before
+        some, and a pass drops the rows after its last full batch: `dropped_copies`)."""
+        per_epoch = len(self) // batch_size
+        return {c.id: sum(1 for s in range(steps) for p in c.placements
+                          if p.seq_index // batch_size == s % per_epoch and p.seq_index < per_epoch * batch_size)
+                for c in self.canaries}
+
+    def dropped_copies(self, batch_size: int) -> list[str]:
+        """Ids of the canary copies in the rows every pass drops (the row count is not a multiple of the batch:
+        a short last batch would not split over the grid), one entry per copy."""
+        trained = len(self) // batch_size * batch_size
+        return [c.id for c in self.canaries for p in c.placements if p.seq_index >= trained]
+
+    def val_sequences(self, n_docs: int) -> list[list[int]]:
+        """The first `n_docs` held-out documents as [EOS, *ids], cut to seq_len + 1 tokens (a training row's
+        context and labels)."""
+        return [[self.eos_id, *self.tokenizer(t, add_special_tokens=False)["input_ids"]][:self.seq_len + 1]
+                for t in self.val_texts[:n_docs]]
+
     def manifest(self, batch_size: int, data_shards: int = 1) -> list[dict]:
         """Canary records with the step and data-parallel rank of every copy filled in for this grid."""
         records = []
@@ -120,10 +141,10 @@ class TrainStream:
         return records
 
     def write_manifest(self, path: str | os.PathLike, batch_size: int, data_shards: int = 1) -> Path:
-        """Write canaries.jsonl (one canary per line) for a run with this batch size and grid."""
+        """Write the manifest, canaries.jsonl (one canary per line), for a run with this batch size and grid."""
         path = Path(path)
         if path.is_dir() or not path.suffix:
-            path = path / "canaries.jsonl"
+            path = path / MANIFEST
         lines = [json.dumps(r, ensure_ascii=False) for r in self.manifest(batch_size, data_shards)]
         write_atomic(path, ("\n".join(lines) + "\n" if lines else "").encode("utf-8"))
         return path

@@ -7,7 +7,6 @@ architectures.py  one object per architecture: block layers, ends, init rule, ch
 slots.py          how each HF tensor maps onto this rank's shard (seeded init, loading, gathering)
 parallelize.py    `parallelize` and the resulting `ParallelLM`; `export_hf`
 decode.py         evaluation on the grid: greedy decoding with a KV cache, teacher-forced scoring, GridModel
-export.py         `memtrain export`: a run's checkpoint and tokenizer as a from_pretrained directory
 """
 
 from memtrain.hf.architectures import ARCHITECTURES, Architecture, Shape, architecture_of

@@ -33,13 +33,13 @@ import torch
 from torch import nn
 
 import parallel
+from memtrain.config import PARALLEL_MODES
 from memtrain.files import atomic_dir
 from memtrain.hf.architectures import ARCHITECTURES, Architecture, architecture_of
 from memtrain.hf.slots import Builder, Source
 from parallel import comm
 from parallel.sharding import is_tagged
 
-MODES = ("auto", "sharded", "easy")
 WEIGHTS = ("auto", "seed", "model")
 
 
@@ -213,8 +213,8 @@ def parallelize(model, grid=None, mode: str = "auto", seed: int = 0, *, device=N
         directory recorded by build_model(..., device="meta")), else draws the seeded init.
     """
     grid = grid or parallel.current()
-    if mode not in MODES:
-        raise ValueError(f"unknown mode {mode!r}: use one of {', '.join(MODES)}")
+    if mode not in PARALLEL_MODES:
+        raise ValueError(f"unknown mode {mode!r}: use one of {', '.join(PARALLEL_MODES)}")
     if weights not in WEIGHTS:
         raise ValueError(f"unknown weights {weights!r}: use one of {', '.join(WEIGHTS)}")
     family, arch = model.config.model_type, architecture_of(model.config)

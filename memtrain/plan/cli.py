@@ -17,11 +17,12 @@ import json
 import time
 from pathlib import Path
 
-from memtrain.cli import ArgumentParser, positive_int
+from memtrain.commandline import ArgumentParser, positive_int
+from memtrain.config import PARALLEL_MODES, PRECISIONS
 from memtrain.files import write_atomic
 from memtrain.plan.network import DEFAULT_MACHINE, load_network, measure
 from memtrain.plan.search import PlanConfig, plan, table, to_json
-from parallel import resolve_degrees
+from parallel import GRAD_SYNCS, resolve_degrees
 
 
 def main(argv: list[str] | None = None) -> int | None:
@@ -32,8 +33,8 @@ def main(argv: list[str] | None = None) -> int | None:
     ap.add_argument("--seq", type=positive_int, default=2048, help="tokens per sequence (default 2048)")
     ap.add_argument("--micro-batch", type=positive_int,
                     help="sequences per rank per forward/backward (default: the largest that fits)")
-    ap.add_argument("--mode", default="auto", choices=("auto", "sharded", "easy"))
-    ap.add_argument("--precision", default="bf16", choices=("bf16", "fp32"))
+    ap.add_argument("--mode", default="auto", choices=PARALLEL_MODES)
+    ap.add_argument("--precision", default="bf16", choices=[p for p in PRECISIONS if p != "auto"])
     ap.add_argument("--activation-checkpointing", action="store_true", help="recompute each block in backward")
     ap.add_argument("--machine",
                     help=f"interconnect preset from memtrain/plan/machines.toml (default {DEFAULT_MACHINE})")
@@ -45,7 +46,7 @@ def main(argv: list[str] | None = None) -> int | None:
     ap.add_argument("--grid", help="--validate: DATA,X,Y,Z, one of them -1 to infer (--grid=-1,4,8,16); "
                                    "default the best plan's grid")
     ap.add_argument("--rank", type=int, default=0, help="--validate: the rank simulated (default 0)")
-    ap.add_argument("--grad-sync", choices=("overlap", "blocking"),
+    ap.add_argument("--grad-sync", choices=GRAD_SYNCS,
                     help="--validate: the trainer's gradient sync (default the trainer's, parallel.grad_sync, when "
                          "the planner models it, else blocking)")
     ap.add_argument("--steps", type=positive_int, default=1,

@@ -14,6 +14,7 @@ import os
 from collections import Counter
 from dataclasses import asdict, dataclass
 
+from memtrain.config import PARALLEL_MODES
 from memtrain.hf.architectures import architecture_of
 from memtrain.plan import compute, cost
 from memtrain.plan.network import GB, Network, inside_node
@@ -84,8 +85,8 @@ def load_config(model: str):
 
 
 def resolve_mode(config, mode: str) -> str:
-    if mode not in ("auto", "sharded", "easy"):
-        raise ValueError(f"unknown mode {mode!r}: use sharded, easy or auto")
+    if mode not in PARALLEL_MODES:
+        raise ValueError(f"unknown mode {mode!r}: use one of {', '.join(PARALLEL_MODES)}")
     if mode == "auto":
         return "sharded" if architecture_of(config).sharded else "easy"
     return mode

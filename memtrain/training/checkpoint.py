@@ -39,6 +39,7 @@ from safetensors.torch import save_file
 import parallel
 from memtrain.files import replace_dir, write_atomic
 from memtrain.hf.slots import Source
+from memtrain.run_files import CHECKPOINTS, LATEST
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
@@ -154,7 +155,7 @@ def save(run_dir: Path, plm, opt, sched, step: int, extra: dict) -> Path | None:
     """Collective: every rank writes its pieces; rank 0 the state and the rename. Returns the directory on rank 0."""
     grid = plm.grid
     device = next(plm.parameters()).device
-    root = Path(run_dir) / "checkpoints"
+    root = Path(run_dir) / CHECKPOINTS
     final = root / f"step_{step:06d}"
     tmp = root / f".{final.name}.tmp-save"
     if grid.rank == 0:
@@ -178,15 +179,15 @@ def save(run_dir: Path, plm, opt, sched, step: int, extra: dict) -> Path | None:
                  grid={a: getattr(grid, a) for a in parallel.AXES})
     (tmp / "state.json").write_text(json.dumps(state))
     replace_dir(tmp, final)
-    write_atomic(root / "latest", final.name)
+    write_atomic(root / LATEST, final.name)
     return final
 
 
 def latest(run_dir: Path) -> Path | None:
     """The checkpoint `latest` points at, or, when that pointer is missing or dangles (a kill between the two
     renames of a save), the newest complete one."""
-    root = run_dir / "checkpoints"
-    pointer = root / "latest"
+    root = run_dir / CHECKPOINTS
+    pointer = root / LATEST
     if pointer.is_file():
         path = root / pointer.read_text().strip()
         if (path / "state.json").is_file():
@@ -235,7 +236,7 @@ def load(path: Path, plm, opt=None) -> dict:
 def read_weights(path: str | Path) -> Source:
     """Model weights to start from, opened lazily: a memtrain run or checkpoint directory, or an HF directory."""
     path = Path(path)
-    if (path / "checkpoints").is_dir():
+    if (path / CHECKPOINTS).is_dir():
         path = latest(path) or path
     if (path / "state.json").is_file():
         return model_source(path)

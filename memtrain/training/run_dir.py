@@ -13,10 +13,7 @@ from pathlib import Path
 
 from memtrain.config import RunConfig
 from memtrain.files import file_lock
-
-OUTPUTS = ("metrics.jsonl", "passes.jsonl", "run.json", "canaries.jsonl", "eval.json", "eval_canaries.jsonl",
-           "checkpoints", "tokenizer", "wandb", "wandb-run.json")
-"""What a run writes (its config.toml aside: a recipe may sit in the directory it trains into)."""
+from memtrain.run_files import OUTPUTS
 
 RESUMABLE = ("train.max_steps", "train.epochs", "train.log_every", "train.checkpoint_every",
              "train.checkpoint_every_min", "eval.*", "wandb.*", "parallel.*")

@@ -14,8 +14,8 @@ from contextlib import nullcontext
 import torch
 
 import parallel
-from memtrain.config import RunConfig
-from memtrain.losses import loss_sums
+from memtrain.config import PRECISIONS, RunConfig
+from memtrain.losses import LossSums, loss_sums
 from memtrain.training.perf import bf16_faster
 
 
@@ -28,8 +28,8 @@ def autocast_dtype(cfg: RunConfig, device: torch.device, grid: parallel.Grid | N
     compute in different dtypes.
     """
     p = cfg.train.precision
-    if p not in ("auto", "fp32", "bf16"):
-        raise ValueError(f"train.precision={p!r} is invalid: use 'auto', 'fp32' or 'bf16'")
+    if p not in PRECISIONS:
+        raise ValueError(f"train.precision={p!r} is invalid: use one of {', '.join(map(repr, PRECISIONS))}")
     if p != "auto":
         return torch.bfloat16 if p == "bf16" else None
     vote = torch.tensor([1.0 if bf16_faster(device) else 0.0], device=device)
@@ -76,7 +76,7 @@ def build_schedule(opt, cfg: RunConfig, total_steps: int) -> torch.optim.lr_sche
 def train_step(plm, grid: parallel.Grid, opt, input_ids: torch.Tensor, labels: torch.Tensor, keep: torch.Tensor,
                micro_batch: int, *, position_ids: torch.Tensor | None = None, amp: torch.dtype | None = None,
                overlap: bool = True, grad_sync: str = "overlap",
-               grad_clip: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+               grad_clip: float = 1.0) -> tuple[LossSums, torch.Tensor]:
     """One optimizer step on a global batch (every rank passes the whole batch and takes its own rows).
     position_ids (document attention) restart at every packed document, which then attends only to itself.
 
@@ -84,19 +84,20 @@ def train_step(plm, grid: parallel.Grid, opt, input_ids: torch.Tensor, labels: t
     the last micro-batch's backward (parallel.grad_sync), 'blocking' runs them after it (sync_gradients). Either
     way the earlier micro-batches only accumulate (parallel.no_sync).
 
-    Returns the step's global loss sums [kept loss, kept tokens, dropped loss, dropped tokens] (float64,
-    all-reduced) and the global gradient norm before clipping. The planner's byte model is tested against
+    Returns the step's global LossSums (float64 scalars, all-reduced over the grid) and the global gradient norm
+    before clipping. The planner's byte model is tested against
     the collectives of exactly this function.
     """
-    if grad_sync not in ("overlap", "blocking"):
-        raise ValueError(f"parallel.grad_sync={grad_sync!r} is invalid: use 'overlap' or 'blocking'")
+    if grad_sync not in parallel.GRAD_SYNCS:
+        raise ValueError(f"parallel.grad_sync={grad_sync!r} is invalid: use one of "
+                         f"{', '.join(map(repr, parallel.GRAD_SYNCS))}")
     device = next(plm.parameters()).device
     n_kept = keep.sum().clamp(min=1)  # the global count: every rank sees the whole batch's labels
     rows = plm.local_rows(input_ids.shape[0])
     ids, labels, keep = input_ids[rows], labels[rows], keep[rows]
     pos = position_ids[rows] if position_ids is not None else None
     opt.zero_grad(set_to_none=True)
-    sums = torch.zeros(4, dtype=torch.float64)
+    totals = torch.zeros(len(LossSums._fields), dtype=torch.float64)
     sync = parallel.grad_sync(plm, grid) if grad_sync == "overlap" else None
     with sync or nullcontext():  # on exit every gradient is summed over its reduce axes
         for i in range(0, ids.shape[0], micro_batch):
@@ -110,10 +111,10 @@ def train_step(plm, grid: parallel.Grid, opt, input_ids: torch.Tensor, labels: t
                                                     None if pos is None else pos[sl].to(device))
                 s = loss_sums(token_losses.float(), keep[sl].to(device), labels[sl].to(device))
                 (s.kept_sum / n_kept).backward()
-            sums += torch.stack([x.detach().double().cpu() for x in s])
+            totals += torch.stack([x.detach().double().cpu() for x in s])
     if sync is None:
         parallel.sync_gradients(plm, grid)
     norm = parallel.clip_grad_norm_(plm, grad_clip, grid) if grad_clip > 0 else parallel.grad_norm(plm, grid)
     opt.step()
-    parallel.comm.all_reduce(sums, grid, plm.row_axes)
-    return sums, norm
+    parallel.comm.all_reduce(totals, grid, plm.row_axes)  # one message for the four sums
+    return LossSums(*totals), norm

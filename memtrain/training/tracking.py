@@ -36,10 +36,11 @@ import warnings
 from pathlib import Path
 from urllib.parse import urlparse
 
+from memtrain.config import WANDB_MODES
 from memtrain.files import write_atomic
 from memtrain.progress import note
+from memtrain.run_files import WANDB_RUN
 
-MODES = ("auto", "online", "offline", "disabled")
 _TRUE = ("1", "true", "yes", "on")
 _SECRET_KEYS = ("api_key", "apikey", "password", "passwd", "secret_key", "access_token", "auth_token",
                 "hf_token", "token", "credentials")
@@ -83,8 +84,8 @@ def network_reachable(timeout: float = 1.5) -> bool:
 def resolve_mode(mode: str | None) -> str:
     """The concrete W&B mode ('online', 'offline' or 'disabled') for a configured mode."""
     mode = (mode or "auto").lower()
-    if mode not in MODES:
-        raise ValueError(f"wandb.mode={mode!r} is invalid: use one of {list(MODES)}")
+    if mode not in WANDB_MODES:
+        raise ValueError(f"wandb.mode={mode!r} is invalid: use one of {list(WANDB_MODES)}")
     if mode != "auto":
         return mode
     env = os.environ.get("WANDB_MODE", "").lower()
@@ -314,12 +315,9 @@ def _cell(v):
     return json.dumps(v)
 
 
-_STATE = "wandb-run.json"
-
-
 def _read_state(run_dir: Path) -> dict:
     try:
-        return json.loads((run_dir / _STATE).read_text())
+        return json.loads((run_dir / WANDB_RUN).read_text())
     except (OSError, ValueError):
         return {}
 
@@ -327,4 +325,4 @@ def _read_state(run_dir: Path) -> dict:
 def _write_state(run_dir: Path, state: dict) -> None:
     """Remember the W&B run id so `memtrain train --resume` continues the same W&B run."""
     with contextlib.suppress(OSError):
-        write_atomic(run_dir / _STATE, json.dumps(state))
+        write_atomic(run_dir / WANDB_RUN, json.dumps(state))

@@ -14,7 +14,6 @@ import os
 import resource
 import statistics
 import time
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,14 +25,15 @@ import parallel
 from memtrain.config import RunConfig, to_toml
 from memtrain.config import load as load_config
 from memtrain.data import TrainStream, build_stream
-from memtrain.evaluate import dropped_copies, pass_scores
-from memtrain.files import atomic_dir, write_atomic
+from memtrain.files import append_jsonl, atomic_dir, read_jsonl, write_atomic
 from memtrain.hf import ParallelLM, parallelize
 from memtrain.losses import keep_mask
 from memtrain.models import build_model
 from memtrain.progress import note
+from memtrain.run_files import CONFIG, METRICS, PASSES, RUN, TOKENIZER
 from memtrain.training import checkpoint, run_dir
 from memtrain.training.perf import matmul_peak_flops
+from memtrain.training.probe import pass_scores
 from memtrain.training.step import autocast_dtype, build_optimizer, build_schedule, peak_lr, train_step
 from memtrain.training.tracking import Tracker
 
@@ -55,25 +55,12 @@ class TrainResult:
     """Median training throughput over the steps this process ran (None when it ran none: a finished run resumed)."""
 
 
-def _append_jsonl(path: Path, record: dict) -> None:
-    with open(path, "a") as f:
-        f.write(json.dumps(record) + "\n")
-        f.flush()
-
-
 def _truncate_jsonl(path: Path, last_step: int) -> None:
-    """On resume, keep the lines of steps the checkpoint covers (later lines came from the lost run); a line
-    cut short by the kill is dropped with a warning."""
-    if not path.is_file():
-        return
-    kept = []
-    for n, line in enumerate(path.read_text().splitlines(), 1):
-        try:
-            if json.loads(line)["step"] <= last_step:
-                kept.append(line)
-        except (ValueError, KeyError, TypeError):
-            warnings.warn(f"{path}:{n} is not a complete record (a write cut short by a kill?): dropped", stacklevel=2)
-    write_atomic(path, "".join(line + "\n" for line in kept))
+    """On resume, keep the lines of steps the checkpoint covers (later lines came from the lost run; a line cut
+    short by the kill is dropped with a warning)."""
+    if path.is_file():
+        kept = [r for r in read_jsonl(path) if isinstance(r.get("step"), int) and r["step"] <= last_step]
+        write_atomic(path, "".join(json.dumps(r) + "\n" for r in kept))
 
 
 def _memory_mb(device: torch.device) -> float:
@@ -135,7 +122,7 @@ def train(cfg: RunConfig, out_dir: str | Path, *, resume: bool = False, force: b
         out.mkdir(parents=True, exist_ok=True)
         run_dir.claim(out, resume=resume, force=force)
     if resume:
-        saved = out / "config.toml"
+        saved = out / CONFIG
         if not saved.is_file():
             raise FileNotFoundError(f"--resume: {str(out)!r} has no config.toml: it is not a run directory")
         blockers = run_dir.resume_blockers(load_config(saved), cfg)
@@ -143,7 +130,7 @@ def train(cfg: RunConfig, out_dir: str | Path, *, resume: bool = False, force: b
             raise ValueError(f"--resume cannot change {', '.join(blockers)} of {str(saved)!r}: it would not "
                              "continue the same run; resume with those values, or train into a new --out")
     if grid.rank == 0:
-        write_atomic(out / "config.toml", to_toml(cfg))
+        write_atomic(out / CONFIG, to_toml(cfg))
     if t.deterministic:
         torch.use_deterministic_algorithms(True)
     torch.manual_seed(t.seed)
@@ -170,7 +157,7 @@ def train(cfg: RunConfig, out_dir: str | Path, *, resume: bool = False, force: b
     if steps_per_epoch < 1:
         raise ValueError(f"the stream has {len(stream)} sequences, fewer than train.batch_size={B}: "
                          "use a smaller batch or a larger corpus")
-    dropped = dropped_copies(stream, B)
+    dropped = stream.dropped_copies(B)
     if dropped:
         note(f"warning: {len(dropped)} canary copies ({', '.join(sorted(set(dropped))[:3])}...) sit in the last "
              f"{len(stream) % B} of the stream's {len(stream)} rows, which every pass drops (not a multiple of "
@@ -182,7 +169,7 @@ def train(cfg: RunConfig, out_dir: str | Path, *, resume: bool = False, force: b
     opt = build_optimizer(plm, cfg)
     sched = build_schedule(opt, cfg, total)
     start = 0
-    metrics_path, passes_path = out / "metrics.jsonl", out / "passes.jsonl"
+    metrics_path, passes_path = out / METRICS, out / PASSES
     if resume:
         ckpt = checkpoint.latest(out)
         if ckpt is None:
@@ -201,11 +188,11 @@ def train(cfg: RunConfig, out_dir: str | Path, *, resume: bool = False, force: b
     if grid.rank == 0:
         trained = {"steps": total, "epochs": t.epochs, "steps_per_pass": steps_per_epoch}
         stream.write_manifest(out, B, grid.data if plm.mode == "sharded" else grid.world_size)
-        write_atomic(out / "run.json", json.dumps({
+        write_atomic(out / RUN, json.dumps({
             "stream_key": stream.key, "trained": trained, "grid": {a: getattr(grid, a) for a in parallel.AXES},
             "mode": plm.mode, "params": plm.num_params(), "hidden_size": plm.config.hidden_size,
             "lr": peak_lr(cfg, plm.config.hidden_size), "precision": "bf16" if amp else "fp32"}))
-        with atomic_dir(out / "tokenizer") as tmp:  # `memtrain export` then needs neither cache nor corpus
+        with atomic_dir(out / TOKENIZER) as tmp:  # `memtrain export` then needs neither cache nor corpus
             stream.tokenizer.save_pretrained(tmp)
 
     peak = matmul_peak_flops(device, amp or torch.float32)
@@ -227,18 +214,16 @@ def train(cfg: RunConfig, out_dir: str | Path, *, resume: bool = False, force: b
         dt = time.perf_counter() - t0
         tokens = B * stream.seq_len
         record = {
-            "step": step + 1, "loss": float(sums[0] / max(sums[1], 1)), "lr": lr,
+            "step": step + 1, "loss": sums.kept_mean(), "lr": lr,
             "tokens": tokens * (step + 1), "tokens_per_s": tokens / dt, "step_time_s": dt,
-            "grad_norm": float(norm), "kept_fraction": float(sums[1] / max(sums[1] + sums[3], 1)),
-            "loss_kept": float(sums[0] / max(sums[1], 1)),
-            "loss_dropped": float(sums[2] / sums[3]) if sums[3] > 0 else None,
+            "grad_norm": float(norm), "kept_fraction": sums.kept_fraction(), "loss_dropped": sums.dropped_mean(),
             "mfu": flops_per_token * tokens / dt / (peak * grid.world_size), "memory_mb": _memory_mb(device),
             "epoch": step // steps_per_epoch,
         }
         last = record
         rates.append(record["tokens_per_s"])
         if grid.rank == 0 and ((step + 1) % t.log_every == 0 or step + 1 == total):
-            _append_jsonl(metrics_path, record)
+            append_jsonl(metrics_path, record)
             tracker.log(record, step + 1)
         progress(record)
         if on_step is not None:
@@ -246,7 +231,7 @@ def train(cfg: RunConfig, out_dir: str | Path, *, resume: bool = False, force: b
         if cfg.eval.every_pass and (step + 1) % steps_per_epoch == 0:
             scores = {"pass": (step + 1) // steps_per_epoch, "step": step + 1, **pass_scores(plm, stream, cfg)}
             if grid.rank == 0:
-                _append_jsonl(passes_path, scores)
+                append_jsonl(passes_path, scores)
                 tracker.log({"pass": scores}, step + 1)
         by_steps = bool(t.checkpoint_every) and (step + 1) % t.checkpoint_every == 0
         if step + 1 < total and (by_steps or checkpoint_due(grid, saved_at, t.checkpoint_every_min, device)):

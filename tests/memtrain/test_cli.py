@@ -4,33 +4,60 @@ summary line on stdout whose numbers are the run's own files')."""
 
 import json
 import re
+import shutil
 import statistics
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
-from tests.memtrain.training._helpers import ENV, ROOT, memtrain, stdlib_corpus, write_recipe
+from tests.memtrain._helpers import ENV, ROOT, cli, memtrain
 
 COMMANDS = ["train", "eval", "models", "config", "plan", "sweep", "plot", "demo"]
 
 
-@pytest.mark.parametrize("command", COMMANDS)
-def test_help_is_the_commands_own(command):
-    r = memtrain(command, "--help", timeout=120)
+def _assert_own_help(r, command):
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.startswith(f"usage: memtrain {command} "), r.stdout[:300]
     assert "Traceback" not in r.stderr, r.stderr[-2000:]
 
 
+@pytest.mark.parametrize("command", COMMANDS)
+def test_help_is_the_commands_own(command):
+    _assert_own_help(cli(command, "--help"), command)  # in this process: the same exit code and output
+
+
+@pytest.mark.parametrize("how", ["python -m memtrain", "console script"])
+def test_the_command_runs_as_a_new_process(how, tmp_path):
+    """The two ways a user starts it: the help of a command of memtrain's own (train) and of one an entry point
+    registers (sweep), and bad input after the heavy imports (torch for train, transformers for export): a new
+    process prints nothing else on stderr (the other tests run the commands in their own process: `cli`)."""
+    script = Path(sys.executable).with_name("memtrain")  # what `pip install` put beside this interpreter
+
+    def run(*args):
+        if how == "python -m memtrain":
+            return memtrain(*args, timeout=120)
+        return subprocess.run([str(script), *map(str, args)], capture_output=True, text=True, env=ENV, cwd=ROOT,
+                              timeout=120)
+
+    command = "train" if how == "python -m memtrain" else "sweep"
+    r = run(command, "--help")
+    _assert_own_help(r, command)
+    assert r.stderr == ""
+    (tmp_path / "notes.txt").write_text("not a run")
+    bad = ["train", "--set", "train.lr=abc"] if how == "python -m memtrain" else ["export", tmp_path, "--out",
+                                                                                  tmp_path / "hf"]
+    r = run(*bad)
+    assert r.returncode == 2 and r.stdout == "", r.stdout[-2000:] + r.stderr[-2000:]
+    lines = r.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("memtrain: error:"), r.stderr[-3000:]
+
+
 @pytest.fixture(scope="module")
-def recipe(tmp_path_factory):
-    """The tiny recipe of test_train.py, over a corpus with two files that are not UTF-8, and a fresh cache."""
-    corpus = stdlib_corpus(tmp_path_factory.mktemp("corpus"), every=4, count=40, chars=6000)
-    (corpus / "zz_latin1.txt").write_bytes("caf\xe9 cr\xe8me br\xfbl\xe9e".encode("latin-1"))
-    (corpus / "zz_koi8.txt").write_bytes("привет мир".encode("koi8-r"))
-    cache = tmp_path_factory.mktemp("cache")
-    return write_recipe(tmp_path_factory.mktemp("recipe") / "tiny.toml", corpus, cache), corpus
+def recipe(tiny_run):
+    """The tiny recipe of tests/memtrain/conftest.py, over a corpus with two files that are not UTF-8."""
+    return tiny_run.recipe, tiny_run.corpus
 
 
 def _lines(stderr: str) -> list[str]:
@@ -52,11 +79,11 @@ def _expected_summary(out, with_eval: bool) -> str:
     return line
 
 
-def test_train_reports_progress_and_ends_with_one_summary_line(recipe, tmp_path):
-    path, corpus = recipe
+def test_train_reports_progress_and_ends_with_one_summary_line(tiny_run, tmp_path):
+    path, corpus = tiny_run.recipe, tiny_run.corpus
     skipped = f"data: skipped 2 files that are not UTF-8, e.g. {corpus / 'zz_koi8.txt'} ("  # first by path
 
-    r = memtrain("train", "--config", path, "--out", tmp_path / "first")
+    r = tiny_run.process  # the recipe's first run, into a fresh cache
     assert r.returncode == 0, r.stderr[-3000:]
     lines = _lines(r.stderr)
     assert len(_starting(lines, "data: skipped")) == 1 and _starting(lines, "data: skipped")[0].startswith(skipped)
@@ -69,7 +96,7 @@ def test_train_reports_progress_and_ends_with_one_summary_line(recipe, tmp_path)
         found = _starting(lines, f"eval: {what}")
         assert len(found) == 1 and re.search(stage, found[0]), (what, lines[-12:])
     assert len(_starting(lines, "eval: done in")) == 1
-    first = tmp_path / "first"
+    first = tiny_run.out
     assert r.stdout.splitlines() == [_expected_summary(first, True), f"run directory: {first}"]
 
     # Everything cached: no data line but the skipped files' (every run reads the corpus), no eval without eval.
@@ -82,18 +109,32 @@ def test_train_reports_progress_and_ends_with_one_summary_line(recipe, tmp_path)
     assert r.stdout.splitlines()[0] == _expected_summary(tmp_path / "again", False)
 
 
-def test_only_global_rank_0_reports(recipe, tmp_path):
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "memtrain"]
+
+
+@pytest.fixture(scope="module")
+def on_two_ranks(recipe, tmp_path_factory):
+    """`memtrain train` on 2 ranks (x=2) under torchrun, evaluated on its grid, with a time-based checkpoint due
+    after every step: (the finished process, its run directory). Read only: a test that changes it copies it."""
+    path, _ = recipe
+    out = tmp_path_factory.mktemp("two_ranks") / "run"
+    r = subprocess.run([*TORCHRUN, "train", "--config", str(path), "--out", str(out), "--set", "parallel.x=2",
+                        "--set", "train.checkpoint_every_min=1e-9"], capture_output=True, text=True, env=ENV,
+                       cwd=ROOT, timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    return r, out
+
+
+def test_only_global_rank_0_reports(on_two_ranks):
     """Two ranks under torchrun: the corpus is read on both (skipped files found on both), every line once. The
     time-based checkpoint every step (rank 0's clock, broadcast) runs the collective save on both ranks alike."""
-    path, _ = recipe
-    out = tmp_path / "tp"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "memtrain",
-           "train", "--config", str(path), "--out", str(out), "--set", "parallel.x=2",
-           "--set", "train.checkpoint_every_min=1e-9", "--set", "eval.enabled=false"]
-    r = subprocess.run(cmd, capture_output=True, text=True, env=ENV, cwd=ROOT, timeout=600)
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
-    assert len(_starting(_lines(r.stderr), "data: skipped 2 files")) == 1, r.stderr[-3000:]
-    assert [x for x in r.stdout.splitlines() if x.startswith("done: ")] == [_expected_summary(out, False)]
+    r, out = on_two_ranks
+    lines = _lines(r.stderr)
+    assert len(_starting(lines, "data: skipped 2 files")) == 1, r.stderr[-3000:]
+    for what in ("extraction of 4 canaries", "membership inference", "exposure of 2 random canaries",
+                 "validation loss", "done in"):
+        assert len(_starting(lines, f"eval: {what}")) == 1, (what, r.stderr[-3000:])
+    assert [x for x in r.stdout.splitlines() if x.startswith("done: ")] == [_expected_summary(out, True)]
     assert sorted(p.name for p in (out / "checkpoints").glob("step_*")) == [f"step_00000{i}" for i in range(1, 7)]
 
 
@@ -114,31 +155,27 @@ def _assert_same_eval(got, want):
                                                                                                    rel=1e-5)
 
 
-def test_a_distributed_run_evaluates_on_its_grid(recipe, tmp_path):
+def test_a_distributed_run_evaluates_on_its_grid(on_two_ranks, tmp_path):
     """`memtrain train` on 2 ranks (x=2) evaluates on its grid; `memtrain eval` under torchrun evaluates again on a
     grid of the run's x from the sharded checkpoint; both equal `memtrain eval` on one process, each printed once."""
-    path, _ = recipe
-    out, torchrun = tmp_path / "run", [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                                       "--nproc-per-node", "2", "-m", "memtrain"]
-    r = subprocess.run([*torchrun, "train", "--config", str(path), "--out", str(out), "--set", "parallel.x=2"],
-                       capture_output=True, text=True, env=ENV, cwd=ROOT, timeout=600)
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    r, trained = on_two_ranks
+    out = tmp_path / "run"
+    shutil.copytree(trained, out, ignore=shutil.ignore_patterns(".lock"))
     assert [x for x in r.stdout.splitlines() if x.startswith("done: ")] == [_expected_summary(out, True)]
-    on_grid = tmp_path / "grid"
+    on_grid, one_process = tmp_path / "grid", tmp_path / "one"
     on_grid.mkdir()
+    one_process.mkdir()
     for name in ("eval.json", "eval_canaries.jsonl"):
         (on_grid / name).write_bytes((out / name).read_bytes())
     r = memtrain("eval", str(out), timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     _assert_same_eval(on_grid, out)
+    for name in ("eval.json", "eval_canaries.jsonl"):  # the single-process files, for the comparison below
+        (one_process / name).write_bytes((out / name).read_bytes())
     one = json.loads((out / "eval.json").read_text())
-    r = subprocess.run([*torchrun, "eval", str(out)], capture_output=True, text=True, env=ENV, cwd=ROOT,
+    r = subprocess.run([*TORCHRUN, "eval", str(out)], capture_output=True, text=True, env=ENV, cwd=ROOT,
                        timeout=600)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     assert len([x for x in r.stdout.splitlines() if x.startswith("exact_match_rate=")]) == 1, r.stdout
     assert json.loads((out / "eval.json").read_text())["exact_count"] == one["exact_count"]
-    (on_grid / "eval.json").write_bytes((out / "eval.json").read_bytes())
-    (on_grid / "eval_canaries.jsonl").write_bytes((out / "eval_canaries.jsonl").read_bytes())
-    r = memtrain("eval", "--run", str(out), timeout=600)  # the single-process files back, for the comparison
-    assert r.returncode == 0, r.stderr[-3000:]
-    _assert_same_eval(on_grid, out)
+    _assert_same_eval(out, one_process)

@@ -1,6 +1,8 @@
 """Bad input, driven through the `memtrain` command as a user types it.
 
-Every case must end with a non-zero exit, exactly one error line (the last on stderr; progress lines may come
+Every case runs in this process (tests/memtrain/_helpers.py `cli`: the same exit code, stdout and stderr as a new
+`memtrain` process, and nothing left behind in this one); test_cli.py runs the command as a new process. Every case
+must end with a non-zero exit, exactly one error line (the last on stderr; progress lines may come
 before it) that starts `memtrain: error:` and names the offending key, value or path, no traceback, and every
 file that existed before byte-identical (a finished run, its recipe, its corpus, files made to be wrong).
 """
@@ -9,7 +11,7 @@ import os
 
 import pytest
 
-from tests.memtrain.training._helpers import memtrain, stdlib_corpus, write_recipe
+from tests.memtrain._helpers import cli, memtrain, stdlib_corpus, write_recipe
 
 
 @pytest.fixture(scope="module")
@@ -143,7 +145,7 @@ CASES = [
 def test_bad_input_is_one_line_and_changes_nothing(ws, tmp_path, argv, expect):
     values = {"recipe": ws / "tiny.toml", "run": ws / "run", "bad": ws / "bad", "fresh": tmp_path / "fresh"}
     before = _snapshot(ws)
-    r = memtrain(*[a.format(**values) for a in argv], timeout=300)
+    r = cli(*[a.format(**values) for a in argv])
     errors = [line for line in r.stderr.splitlines() if "error" in line.lower()]
     assert r.returncode != 0, r.stdout[-2000:]
     assert "Traceback" not in r.stderr, r.stderr[-3000:]

@@ -34,7 +34,7 @@ import parallel  # noqa: E402
 from eval import greedy_decode, sequence_logprobs  # noqa: E402
 from memtrain.config import EvalConfig, RunConfig  # noqa: E402
 from memtrain.data import CanaryConfig, DataConfig, build_stream  # noqa: E402
-from memtrain.evaluate import copies_seen, dropped_copies, evaluate  # noqa: E402
+from memtrain.evaluate import evaluate  # noqa: E402
 from memtrain.hf import GridModel, parallelize, teacher_forced  # noqa: E402
 from memtrain.models import build_model  # noqa: E402
 from parallel.forked import run_ranks  # noqa: E402
@@ -56,9 +56,9 @@ def test_copies_in_rows_a_pass_drops_are_named_and_not_counted_as_seen(buried):
     rows = len(buried)
     placed = sorted(p.seq_index for c in buried.canaries for p in c.placements)
     batch = next(b for b in range(2, rows) if rows % b and placed[-1] >= rows // b * b)  # the last copy dropped
-    dropped = dropped_copies(buried, batch)
+    dropped = buried.dropped_copies(batch)
     assert dropped and len(dropped) == sum(i >= rows // batch * batch for i in placed)
-    seen = copies_seen(buried, batch, steps=rows // batch)  # one full pass
+    seen = buried.copies_seen(batch, steps=rows // batch)  # one full pass
     assert sum(seen.values()) == len(placed) - len(dropped)
     assert all(seen[c] < 2 for c in set(dropped))  # two copies each were inserted
 

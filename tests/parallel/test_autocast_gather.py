@@ -25,9 +25,8 @@ from torch.utils.checkpoint import checkpoint
 import parallel
 from parallel.forked import run_ranks
 from parallel.linear import ShardedWeight
-from tests._helpers import GRIDS, MODES, grid_id
-
-from .test_layers import local_rows
+from tests._helpers import GRIDS, MODES, grid_id, once_per_session
+from tests.parallel._helpers import local_rows
 
 H, F, V, N = 32, 64, 64, 16
 ZGRIDS = [g for g in GRIDS if g[3] > 1]
@@ -136,8 +135,8 @@ def _worker(rank, world):
 
 
 @pytest.fixture(scope="module")
-def results():
-    return run_ranks(8, _worker)
+def results(request):
+    return once_per_session(request, lambda: run_ranks(8, _worker))
 
 
 @pytest.mark.parametrize("option", OPTIONS)

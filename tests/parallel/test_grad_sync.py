@@ -30,7 +30,7 @@ import torch.nn.functional as F
 import parallel
 from memtrain.hf import parallelize
 from parallel.forked import run_ranks
-from tests._helpers import GridCache, grid_id
+from tests._helpers import GridCache, grid_id, once_per_session
 from tests.memtrain._models import tiny
 
 D, HD, N, LAYERS = 32, 64, 32, 3
@@ -183,8 +183,8 @@ def _worker(rank, world):
 
 
 @pytest.fixture(scope="module")
-def ranks():
-    return run_ranks(4, _worker)
+def ranks(request):
+    return once_per_session(request, lambda: run_ranks(4, _worker))
 
 
 def _id(case):

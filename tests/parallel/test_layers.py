@@ -15,7 +15,8 @@ import torch
 import parallel
 from parallel.forked import run_ranks
 from parallel.sharding import full_normal
-from tests._helpers import GRIDS, LINEAR_OPTIONS, MODES, built_grids, grid_id
+from tests._helpers import GRIDS, LINEAR_OPTIONS, MODES, built_grids, grid_id, once_per_session
+from tests.parallel._helpers import local_rows
 
 TOL = 1e-5
 IN, OUT, N = 64, 96, 32
@@ -28,16 +29,6 @@ def _gen(seed):
 
 def _rel(a, b):
     return float((a.detach() - b.detach()).abs().max() / b.detach().abs().max().clamp_min(1e-30))
-
-
-def local_rows(grid, mode, n):
-    """Rows of the global batch this rank holds: all ranks split it (easy), or data x Z (sharded)."""
-    if mode == "easy":
-        k = n // grid.world_size
-        return slice(grid.rank * k, (grid.rank + 1) * k)
-    k = n // grid.size(("z", "data"))
-    i = grid.coord(("z", "data"))
-    return slice(i * k, (i + 1) * k)
 
 
 def local_cols(grid, mode, axis, features):
@@ -126,8 +117,8 @@ def _worker(rank, world):
 
 
 @pytest.fixture(scope="module")
-def results():
-    per_rank = run_ranks(8, _worker)
+def results(request):
+    per_rank = once_per_session(request, lambda: run_ranks(8, _worker))
     merged = {}
     for r in per_rank:
         for case, errors in r.items():

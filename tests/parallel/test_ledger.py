@@ -30,7 +30,7 @@ import torch
 import parallel
 from parallel.comm import Record
 from parallel.forked import run_ranks
-from tests._helpers import GRIDS, LINEAR_OPTIONS, MODES, built_grids, grid_id
+from tests._helpers import GRIDS, LINEAR_OPTIONS, MODES, built_grids, grid_id, once_per_session
 
 IN, OUT, N = 64, 96, 32
 FP32 = 4
@@ -131,8 +131,8 @@ def _worker(rank, world):
 
 
 @pytest.fixture(scope="module")
-def results():
-    return run_ranks(8, _worker)
+def results(request):
+    return once_per_session(request, lambda: run_ranks(8, _worker))
 
 
 @pytest.mark.parametrize("ov", [False, True], ids=["sync", "overlap"])

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 import parallel
 from parallel.forked import run_ranks
 from parallel.sharding import full_normal
-from tests._helpers import GRIDS, MODES, grid_id
+from tests._helpers import GRIDS, MODES, grid_id, once_per_session
 
 D, HD, N = 32, 64, 32
 STD, SEED = 0.2, 11
@@ -149,8 +149,8 @@ def _worker(rank, world):
 
 
 @pytest.fixture(scope="module")
-def results():
-    per_rank = run_ranks(8, _worker)
+def results(request):
+    per_rank = once_per_session(request, lambda: run_ranks(8, _worker))
     merged = {"ref_norms": per_rank[0]["ref_norms"]}
     for r in per_rank:
         for case, value in r.items():

@@ -29,7 +29,7 @@ from memtrain.hf import (
 )
 from parallel import vocab_parallel_argmax
 from parallel.forked import run_ranks
-from tests._helpers import GRIDS, MODES, grid_id
+from tests._helpers import GRIDS, MODES, grid_id, once_per_session
 from tests.memtrain._models import tiny
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -108,12 +108,15 @@ def _worker(rank, world, refs):
 
 
 @pytest.fixture(scope="module")
-def results():
-    refs = {fam: reference(fam) for fam in FAMILIES}
-    t = time.perf_counter()
-    per_rank = run_ranks(8, _worker, refs)
-    print(f"8 ranks: {time.perf_counter() - t:.1f} s")
-    return refs, per_rank
+def results(request):
+    def compute():
+        refs = {fam: reference(fam) for fam in FAMILIES}
+        t = time.perf_counter()
+        per_rank = run_ranks(8, _worker, refs)
+        print(f"8 ranks: {time.perf_counter() - t:.1f} s")
+        return refs, per_rank
+
+    return once_per_session(request, compute)
 
 
 def test_references_are_not_degenerate(results):

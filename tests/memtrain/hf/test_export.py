@@ -24,7 +24,7 @@ import torch
 
 from memtrain.training.checkpoint import model_source
 from parallel.forked import run_ranks
-from tests.memtrain.training._helpers import memtrain, stdlib_corpus, write_recipe
+from tests.memtrain._helpers import cli, memtrain, stdlib_corpus, write_recipe
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 MODEL = "width-64"
@@ -121,7 +121,7 @@ def test_large_models_export_in_shards(run, exported, tmp_path):
     them to the same tensors as the single-file export."""
     from transformers import AutoModelForCausalLM
 
-    from memtrain.hf.export import export
+    from memtrain.export import export
 
     export(run, tmp_path / "sharded", max_shard_bytes=300_000)
     files = sorted(p.name for p in (tmp_path / "sharded").glob("*.safetensors"))
@@ -140,7 +140,7 @@ def test_bad_arguments_are_one_clear_line(run, tmp_path, case):
     else:
         (tmp_path / "file").write_text("")
         args, expect = [run, "--out", tmp_path / "file"], "is a file"
-    r = memtrain("export", *args)
+    r = cli("export", *args)  # in this process, as a new one
     assert r.returncode == 2, r.stderr[-2000:]
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("memtrain: error:") and expect in lines[0], r.stderr[-2000:]

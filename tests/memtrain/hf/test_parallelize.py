@@ -34,7 +34,7 @@ from memtrain.hf import export_hf, parallelize
 from memtrain.models import build_model
 from parallel import padded_vocab
 from parallel.forked import run_ranks
-from tests._helpers import GRIDS, MODES, grid_id
+from tests._helpers import GRIDS, MODES, grid_id, once_per_session
 from tests.memtrain._models import tiny
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -174,34 +174,40 @@ def _worker(rank, world, refs, root):
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory):
-    root = str(tmp_path_factory.mktemp("export"))
-    refs, originals = {}, {}
-    for fam in FAMILIES + ("opt",):
-        # Seeded init on one process (grid 1x1x1x1: no process group needed) = the initial weights.
-        init = parallelize(tiny(fam, "meta"), parallel.Grid(1, 1, 1, 1), seed=SEED, device="cpu").full_state_dict()
-        model = tiny(fam)
-        model.load_state_dict(init, strict=not model.config.tie_word_embeddings)
-        losses, grads = hf_train(model)
-        refs[fam] = (init, losses, grads, state(model))
-        if fam != "opt":
-            originals[fam] = tiny(fam)  # HF's own init, saved as a checkpoint directory
-            originals[fam].save_pretrained(os.path.join(root, f"hf_{fam}"))
-            refs[fam + "_hf"] = state(originals[fam])
-    t = time.perf_counter()
-    per_rank = run_ranks(8, _worker, refs, root)
-    print(f"8 ranks: {time.perf_counter() - t:.1f} s")
-    merged = {}
-    for r in per_rank:
-        for case, v in r.items():
-            if isinstance(v, dict):
-                merged[case] = {k: max(merged.get(case, {}).get(k, x), x) for k, x in v.items()}
-            else:
-                merged[case] = max(merged.get(case, v), v)
-    worst = {k: max(v[k] for v in merged.values() if isinstance(v, dict)) for k in ("loss", "grad", "grad_norm",
-                                                                                    "params")}
-    print("worst over all cases:", {k: f"{v:.1e}" for k, v in worst.items()})
-    return merged, originals, root
+def results(tmp_path_factory, request):
+    """(worst errors per case, HF-initialized originals, the directory of their checkpoints and exports): computed
+    once per session, the files read only."""
+
+    def compute():
+        root = str(tmp_path_factory.mktemp("export"))
+        refs, originals = {}, {}
+        for fam in FAMILIES + ("opt",):
+            # Seeded init on one process (grid 1x1x1x1: no process group needed) = the initial weights.
+            init = parallelize(tiny(fam, "meta"), parallel.Grid(1, 1, 1, 1), seed=SEED, device="cpu").full_state_dict()
+            model = tiny(fam)
+            model.load_state_dict(init, strict=not model.config.tie_word_embeddings)
+            losses, grads = hf_train(model)
+            refs[fam] = (init, losses, grads, state(model))
+            if fam != "opt":
+                originals[fam] = tiny(fam)  # HF's own init, saved as a checkpoint directory
+                originals[fam].save_pretrained(os.path.join(root, f"hf_{fam}"))
+                refs[fam + "_hf"] = state(originals[fam])
+        t = time.perf_counter()
+        per_rank = run_ranks(8, _worker, refs, root)
+        print(f"8 ranks: {time.perf_counter() - t:.1f} s")
+        merged = {}
+        for r in per_rank:
+            for case, v in r.items():
+                if isinstance(v, dict):
+                    merged[case] = {k: max(merged.get(case, {}).get(k, x), x) for k, x in v.items()}
+                else:
+                    merged[case] = max(merged.get(case, v), v)
+        worst = {k: max(v[k] for v in merged.values() if isinstance(v, dict)) for k in ("loss", "grad", "grad_norm",
+                                                                                        "params")}
+        print("worst over all cases:", {k: f"{v:.1e}" for k, v in worst.items()})
+        return merged, originals, root
+
+    return once_per_session(request, compute)
 
 
 def _check(r):

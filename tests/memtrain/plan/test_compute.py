@@ -30,9 +30,8 @@ from memtrain.plan import compute, cost, network, search
 from memtrain.training import build_optimizer, train_step
 from parallel import Grid
 from parallel.forked import run_ranks
-from tests._helpers import GridCache
-from tests.memtrain.plan.test_cost import B, S, _micro  # the byte model's step: two micro-batches
-from tests.memtrain.plan.test_cost import _model as cost_model
+from tests._helpers import GridCache, once_per_session
+from tests.memtrain.plan._helpers import B, S, micro_batch, step_model  # the byte model's step: two micro-batches
 
 aten = torch.ops.aten
 
@@ -72,7 +71,7 @@ class MatmulShapes(TorchDispatchMode):
 
 
 def _model(family, device):
-    return cost_model(family, (), device)
+    return step_model(family, (), device)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -110,21 +109,21 @@ def _worker(rank, world):
         vocab = plm.config.vocab_size
         ids, labels = torch.randint(0, vocab, (B, S), generator=g), torch.randint(0, vocab, (B, S), generator=g)
         with counter() as fc, MatmulShapes() as mm:
-            train_step(plm, grid, opt, ids, labels, labels != -100, _micro(degrees, mode), overlap=True)
+            train_step(plm, grid, opt, ids, labels, labels != -100, micro_batch(degrees, mode), overlap=True)
         out[case] = (*split(fc), mm.shapes)
     return out
 
 
 @pytest.fixture(scope="module")
-def counted():
-    return run_ranks(8, _worker)
+def counted(request):
+    return once_per_session(request, lambda: run_ranks(8, _worker))
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"d{c[0][0]}x{c[0][1]}y{c[0][2]}z{c[0][3]}-{c[1]}-{c[2]}"
                          + ("-recompute" if c[3] else ""))
 def test_per_rank_flops_equal_the_counter(counted, case):
     degrees, family, mode, recompute = case
-    shape, grid, micro = cost.shape_of(_model(family, "meta").config), Grid(*degrees), _micro(degrees, mode)
+    shape, grid, micro = cost.shape_of(_model(family, "meta").config), Grid(*degrees), micro_batch(degrees, mode)
     n_micro = B // cost.rows_split(grid, mode) // micro
     mm = compute.micro_matmuls(shape, grid, mode, micro, S)
     shapes = Counter()

@@ -31,12 +31,11 @@ from memtrain.training import build_optimizer, train_step
 from parallel import Grid
 from parallel.comm import Record, totals
 from parallel.forked import run_ranks
-from tests._helpers import GRIDS, GridCache, grid_id
-from tests.memtrain._models import tiny
+from tests._helpers import GRIDS, GridCache, grid_id, once_per_session
+from tests.memtrain.plan._helpers import B, S, micro_batch, step_model
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-B, S = 16, 8
 # (grid, family, mode, precision, extra config): every grid x both modes for Llama, then the other paths.
 CASES = [(g, "llama", m, "fp32", ()) for g in GRIDS for m in ("sharded", "easy")] + [
     ((2, 2, 2, 1), "llama", "sharded", "bf16", ()), ((1, 2, 2, 2), "llama", "easy", "bf16", ()),
@@ -46,19 +45,6 @@ CASES = [(g, "llama", m, "fp32", ()) for g in GRIDS for m in ("sharded", "easy")
     ((1, 2, 2, 2), "neox", "sharded", "fp32", ()), ((2, 2, 1, 2), "neox", "easy", "fp32", ()),
     ((1, 1, 8, 1), "gpt2", "sharded", "fp32", ()), ((2, 2, 2, 1), "gpt2", "easy", "fp32", ()),
 ]
-
-
-def _model(family, extra, device):
-    kw = {k: v for k, v in extra if k != "recompute"}
-    if family == "llama":
-        kw.setdefault("num_hidden_layers", 2)
-    return tiny(family, device, **kw)
-
-
-def _micro(degrees, mode):
-    """Two micro-batches per step: the per-micro-batch collectives must count twice."""
-    split = 8 if mode == "easy" else degrees[0] * degrees[3]
-    return B // split // 2
 
 
 def run_step(plm, grid, opt, precision, micro, vocab):
@@ -75,12 +61,12 @@ def _worker(rank, world):
     for case in CASES:
         degrees, family, mode, precision, extra = case
         grid = grids[degrees]
-        plm = parallelize(_model(family, extra, "meta"), grid, mode, seed=1, device="cpu")
+        plm = parallelize(step_model(family, extra, "meta"), grid, mode, seed=1, device="cpu")
         if ("recompute", True) in extra:
             plm.enable_activation_checkpointing()
         opt = build_optimizer(plm, RunConfig())
         parallel.LEDGER.reset()
-        run_step(plm, grid, opt, precision, _micro(degrees, mode), plm.config.vocab_size)
+        run_step(plm, grid, opt, precision, micro_batch(degrees, mode), plm.config.vocab_size)
         params = parallel.unique_parameters(plm)
         nbytes = lambda ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
         state = [t for st in opt.state.values() for t in st.values() if torch.is_tensor(t)]
@@ -92,17 +78,17 @@ def _worker(rank, world):
 
 
 @pytest.fixture(scope="module")
-def ranks():
+def ranks(request):
     t = time.perf_counter()
-    res = run_ranks(8, _worker)
+    res = once_per_session(request, lambda: run_ranks(8, _worker))
     print(f"8 ranks, {len(CASES)} cases: {time.perf_counter() - t:.1f} s")
     return res
 
 
 def _predict(case):
     degrees, family, mode, precision, extra = case
-    shape = cost.shape_of(_model(family, extra, "meta").config)
-    return shape, cost.step_records(shape, Grid(*degrees), mode, B, S, _micro(degrees, mode), precision=precision,
+    shape = cost.shape_of(step_model(family, extra, "meta").config)
+    return shape, cost.step_records(shape, Grid(*degrees), mode, B, S, micro_batch(degrees, mode), precision=precision,
                                     checkpointing=("recompute", True) in extra)
 
 

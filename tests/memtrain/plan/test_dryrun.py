@@ -114,7 +114,7 @@ def test_grid_without_validate_is_refused(capsys):
 
 
 def test_paper_405b_at_4096_ranks():
-    from experiments import spec as specs
+    from experiments.sweep import spec as specs
 
     point = next(p for p in specs.expand(specs.load_spec("paper")) if p.cfg.model.name == "llama-3.1-405b")
     par, train = point.cfg.parallel, point.cfg.train

@@ -6,6 +6,7 @@ as for every cross-grid comparison of the engine.
 """
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -55,22 +56,29 @@ def _load_small(rank, world, degrees, root):
     return plm.full_state_dict(), moments_ok, state["grid"]
 
 
-def test_pieces_reshard_to_any_grid_and_one_process(tmp_path):
+@pytest.fixture(scope="module")
+def small(tmp_path_factory):
+    """(run directory, full state saved): the small checkpoint saved once on (1,2,2,2); read only, copied to change."""
+    root = tmp_path_factory.mktemp("small")
+    return root, run_ranks(8, _save_small, root)[0]
+
+
+def test_pieces_reshard_to_any_grid_and_one_process(small):
     """GPT-2 in easy mode: a fused QKV (rows reordered per head group), transposed Conv1D weights, a padded
     vocabulary, biases cut by a permutation. Saved on (1,2,2,2), loaded on (2,1,2,2) and on one process."""
-    saved = run_ranks(8, _save_small, tmp_path)[0]
-    step = tmp_path / "checkpoints" / "step_000001"
+    root, saved = small
+    step = root / "checkpoints" / "step_000001"
     assert sorted(p.name for p in step.glob("model-*")) == [f"model-{r:05d}.safetensors" for r in range(8)]
     for degrees in ((2, 1, 2, 2), None):
-        for full, moments_ok, grid in run_ranks(8 if degrees else 1, _load_small, degrees, tmp_path):
+        for full, moments_ok, grid in run_ranks(8 if degrees else 1, _load_small, degrees, root):
             assert grid == {"data": 1, "x": 2, "y": 2, "z": 2}
             assert moments_ok, degrees
             assert full.keys() == saved.keys()
             assert all(torch.equal(full[k], saved[k]) for k in saved), degrees
 
 
-def test_missing_or_foreign_pieces_are_named(tmp_path):
-    run_ranks(8, _save_small, tmp_path)
+def test_missing_or_foreign_pieces_are_named(small, tmp_path):
+    shutil.copytree(small[0] / "checkpoints", tmp_path / "checkpoints")
     step = tmp_path / "checkpoints" / "step_000001"
     (step / "model-00005.safetensors").unlink()
     with pytest.raises(ValueError, match="cover .* a rank's file is missing"):

@@ -16,8 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from experiments.stats import wilson
-from tests.memtrain.training._helpers import memtrain, stdlib_corpus
+from experiments.report.stats import wilson
+from tests._helpers import once_per_session
+from tests.memtrain._helpers import memtrain, stdlib_corpus
 
 
 @pytest.fixture(scope="module")
@@ -65,8 +66,9 @@ def _train(recipe: str, out: Path, *sets: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def start(recipe, tmp_path_factory):
-    return _train(recipe, tmp_path_factory.mktemp("runs") / "start")
+def start(recipe, tmp_path_factory, request):
+    """The canaries at row starts: what its files say (plain data, computed once per session)."""
+    return once_per_session(request, lambda: _train(recipe, tmp_path_factory.mktemp("runs") / "start"))
 
 
 def test_every_pass_is_scored_and_agrees_with_greedy_extraction(start):

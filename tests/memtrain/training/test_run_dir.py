@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from tests.memtrain.training._helpers import ENV, ROOT, memtrain, stdlib_corpus, write_recipe
+from tests.memtrain._helpers import ENV, ROOT, cli, memtrain, stdlib_corpus, write_recipe
 
 
 @pytest.fixture(scope="module")
@@ -40,9 +40,18 @@ def six_steps(recipe, tmp_path_factory):
     return out
 
 
-def test_longer_max_steps_resumes_exactly(recipe, six_steps, tmp_path):
+@pytest.fixture(scope="module")
+def four_steps(recipe, tmp_path_factory):
+    """The same run stopped after 4 steps (max_steps=4). Read only: a test resumes a copy."""
+    out = tmp_path_factory.mktemp("four") / "run"
+    r = memtrain("train", "--config", recipe, "--out", out, "--set", "train.max_steps=4")
+    assert r.returncode == 0, r.stderr[-3000:]
+    return out
+
+
+def test_longer_max_steps_resumes_exactly(recipe, six_steps, four_steps, tmp_path):
     out = tmp_path / "run"
-    assert memtrain("train", "--config", recipe, "--out", out, "--set", "train.max_steps=4").returncode == 0
+    shutil.copytree(four_steps, out, ignore=shutil.ignore_patterns(".lock"))
     first = (out / "metrics.jsonl").read_bytes()
     r = memtrain("train", "--config", recipe, "--out", out, "--resume")  # the recipe's max_steps=6
     assert r.returncode == 0, r.stderr[-3000:]
@@ -62,9 +71,9 @@ def test_dangling_latest_falls_back_to_the_newest_complete_checkpoint(recipe, si
                                                                        "step_000006"]
 
 
-def test_resume_on_another_grid(recipe, six_steps, tmp_path):
+def test_resume_on_another_grid(recipe, six_steps, four_steps, tmp_path):
     out = tmp_path / "run"
-    assert memtrain("train", "--config", recipe, "--out", out, "--set", "train.max_steps=4").returncode == 0
+    shutil.copytree(four_steps, out, ignore=shutil.ignore_patterns(".lock"))
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                         "-m", "memtrain", "train", "--config", str(recipe), "--out", str(out), "--resume",
                         "--set", "parallel.data=1", "--set", "parallel.x=2"],
@@ -95,7 +104,7 @@ def test_a_second_trainer_is_refused_while_the_first_runs(recipe, tmp_path):
     first = _start(recipe, out)
     try:
         for extra in ([], ["--resume"], ["--force"]):
-            r = memtrain("train", "--config", recipe, "--out", out, "--set", "train.max_steps=100000", *extra)
+            r = cli("train", "--config", recipe, "--out", out, "--set", "train.max_steps=100000", *extra)
             assert r.returncode == 2 and "another trainer is writing" in r.stderr.splitlines()[-1], r.stderr[-2000:]
         assert first.poll() is None
     finally:

@@ -82,7 +82,7 @@ def _sync_worker(rank, world):
                 parallel.LEDGER.reset()
                 sums, norm = train_step(plm, grid, opt, ids, labels, labels != -100, 8 // split // 2,
                                         overlap=overlap, grad_sync=path)
-                steps.append((sums, float(norm), parallel.LEDGER.totals()))
+                steps.append((torch.stack(list(sums)), float(norm), parallel.LEDGER.totals()))
             buckets = len(parallel.grad_sync(plm, grid).buckets) if path == "overlap" else 0
             runs[path] = steps, [p.detach().clone() for p in parallel.unique_parameters(plm)], buckets
         (ref, ref_params, _), (got, params, buckets) = runs["blocking"], runs["overlap"]

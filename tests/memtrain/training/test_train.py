@@ -6,6 +6,7 @@ logits after loading a checkpoint into another grid differ only by summation ord
 """
 
 import json
+import shutil
 import signal
 import subprocess
 import sys
@@ -14,23 +15,21 @@ import time
 import pytest
 import torch
 
+import parallel
+from memtrain.config import load
+from memtrain.training import checkpoint, setup, trainer  # here, not in the ranks: forked, they find them imported
 from parallel.forked import run_ranks
-from tests.memtrain.training._helpers import ENV, ROOT, checkpoint_files, memtrain, stdlib_corpus, write_recipe
+from tests.memtrain._helpers import ENV, ROOT, checkpoint_files, cli, memtrain
 
 
 @pytest.fixture(scope="module")
-def recipe(tmp_path_factory):
-    corpus = stdlib_corpus(tmp_path_factory.mktemp("corpus"), every=4, count=40, chars=6000)
-    cache = tmp_path_factory.mktemp("cache")
-    return write_recipe(tmp_path_factory.mktemp("recipe") / "tiny.toml", corpus, cache)
+def recipe(tiny_run):
+    return tiny_run.recipe  # tests/memtrain/conftest.py
 
 
 @pytest.fixture(scope="module")
-def finished_run(recipe, tmp_path_factory):
-    out = tmp_path_factory.mktemp("run")
-    r = memtrain("train", "--config", recipe, "--out", out)
-    assert r.returncode == 0, r.stderr[-3000:]
-    return out
+def finished_run(tiny_run):
+    return tiny_run.out  # read only
 
 
 def test_run_directory_has_everything(finished_run):
@@ -49,11 +48,13 @@ def test_run_directory_has_everything(finished_run):
     assert (finished_run / "checkpoints" / "latest").read_text().strip() == "step_000006"
 
 
-def test_eval_command_reproduces_eval_json(finished_run):
-    before = json.loads((finished_run / "eval.json").read_text())
-    r = memtrain("eval", "--run", finished_run)
+def test_eval_command_reproduces_eval_json(finished_run, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(finished_run, run, ignore=shutil.ignore_patterns(".lock"))
+    before = json.loads((run / "eval.json").read_text())
+    r = memtrain("eval", "--run", run)
     assert r.returncode == 0, r.stderr[-2000:]
-    after = json.loads((finished_run / "eval.json").read_text())
+    after = json.loads((run / "eval.json").read_text())
     assert after["exact_match_rate"] == before["exact_match_rate"]
     assert after["val_loss"] == pytest.approx(before["val_loss"], rel=1e-6)
 
@@ -84,10 +85,6 @@ def test_resume_after_kill_equals_uninterrupted(recipe, tmp_path):
 
 
 def _losses_on_grid(rank, world, degrees, recipe, ckpt):
-    import parallel
-    from memtrain.config import load
-    from memtrain.training import checkpoint, setup
-
     cfg = load(recipe)
     if degrees is not None:
         grid = parallel.init(*degrees)
@@ -124,27 +121,24 @@ def test_checkpoint_reshards_across_grids(recipe, finished_run):
     (["--resume"], "config.toml"),
 ])
 def test_bad_input_is_one_clear_line(recipe, tmp_path, args, expect):
-    r = memtrain("train", "--config", recipe, "--out", tmp_path / "bad", *args)
+    r = cli("train", "--config", recipe, "--out", tmp_path / "bad", *args)  # in this process, as a new one
     assert r.returncode == 2, r.stderr[-2000:]
     last = r.stderr.strip().splitlines()[-1]
     assert last.startswith("memtrain: error:") and expect in last, r.stderr[-2000:]
 
 
 def test_resume_with_other_config_and_corrupt_checkpoint(recipe, finished_run, tmp_path):
-    r = memtrain("train", "--config", recipe, "--out", finished_run, "--resume", "--set", "train.seed=5")
+    r = cli("train", "--config", recipe, "--out", finished_run, "--resume", "--set", "train.seed=5")
     assert r.returncode == 2 and "cannot change train.seed (0 -> 5)" in r.stderr
     broken = tmp_path / "broken"
     broken.mkdir()
     (broken / "state.json").write_text("{}")
     (broken / "model-00000.safetensors").write_bytes(b"not a safetensors file")
-    r = memtrain("eval", "--run", finished_run, "--checkpoint", broken)
+    r = cli("eval", "--run", finished_run, "--checkpoint", broken)
     assert r.returncode == 2 and "corrupt" in r.stderr.splitlines()[-1]
 
 
 def _checkpoint_decisions(rank, world):
-    import parallel
-    from memtrain.training import trainer
-
     grid = parallel.init(data=world)
     trainer._clock = lambda: 1000.0
     cpu = torch.device("cpu")

@@ -1,6 +1,6 @@
 """What a point's cluster job looks like: the cluster options (the command line's over the spec's [slurm]
-section), the job's shape (nodes x tasks) and the sbatch script submitit writes for it. experiments/slurm.py
-submits the jobs and follows them.
+section), the job's shape (nodes x tasks) and the sbatch script submitit writes for it. jobs.py submits a job
+and follows it; slurm.py makes a sweep's points into jobs.
 
 A point's job has N nodes x G tasks (one task per GPU). N follows from the point's grid: its ranks are
 parallel.data (1 when -1) x x x y x z, and N = ranks / tasks per node; `--nodes` instead gives every point N
@@ -20,9 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import submitit
-
-from memtrain.cli import positive_float, positive_int
+from memtrain.commandline import positive_float, positive_int
 
 from .launch import CLUSTER_LAUNCHERS
 
@@ -251,6 +249,7 @@ def sbatch_script(folder: Path, params: dict) -> str:
     """The sbatch script submitit writes for these parameters, rendered without a cluster. submitit renders one
     only while submitting (no public call does it alone), so this is the one place reaching into its internals:
     an executor class whose srun check is skipped, and its _make_submission_file_text."""
+    import submitit  # not at the top: a spec's [slurm] section is validated here, and needs no submitit (0.1 s)
 
     class _Renderer(submitit.SlurmExecutor):
         @classmethod

@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from experiments.stats import first_reaching, loglog_fit, solve_loglog, wilson
+from experiments.report.stats import first_reaching, loglog_fit, solve_loglog, wilson
 
 
 def test_wilson_interval_known_values():

@@ -1,7 +1,10 @@
 """Base models: a fine-tuning study needs a trained model to start from. Offline, the sweep pretrains one
 per model size on a corpus WITHOUT canaries, cached under <cache>/base/<hash> (cache = data.cache_dir,
 $MEMTRAIN_CACHE or ~/.cache/memtrain) by a hash of everything that determines it, so later sweeps and
-other presets reuse it."""
+other presets reuse it. Fine-tuning runs set model.init to it (point.py).
+
+`BaseModels` remembers what it built or failed to build, so the points of one size share one base and its
+failure; `build_first` builds the distinct ones side by side before any point runs."""
 
 from __future__ import annotations
 
@@ -11,14 +14,16 @@ import json
 import shutil
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from experiments.results import BASE_INFO, now
 from memtrain.config import RunConfig, apply_overrides, from_dict, to_toml
 from memtrain.files import atomic_dir, file_lock
 from memtrain.progress import quiet
+from memtrain.run_files import CHECKPOINTS, CONFIG, EVAL
 
 from .launch import Runner, train_tail
-from .results import now
 from .spec import PretrainSpec, label
 
 BASE_VERSION = 1
@@ -168,6 +173,23 @@ class BaseModels:
         pcfg.wandb.name = f"base-{label('model.name', cfg.model.name)}-{key[:8]}"
         return pcfg, cache_root(cfg) / "base" / key
 
+    def build_first(self, cfgs: list[RunConfig], workers: int | None = None) -> None:
+        """Build the base models `cfgs` want, side by side on `workers` threads (default: one per base), before
+        their points run: one per size and data (two points may share one). A failure is remembered; `get`
+        raises it again for each point that needs that base."""
+        distinct = {(c.model.name, json.dumps(c.to_dict()["data"], sort_keys=True)): c for c in cfgs
+                    if self.pre.applies_to(c)}
+        if not distinct:
+            return
+        with ThreadPoolExecutor(workers or len(distinct)) as pool:
+            list(pool.map(self._try, distinct.values()))
+
+    def _try(self, cfg: RunConfig) -> None:
+        try:
+            self.get(cfg)
+        except BaseModelError:  # remembered: the point that needs it fails with it
+            pass
+
     def get(self, cfg: RunConfig) -> Path:
         """The base directory for this fine-tuning config (pretraining it first if needed)."""
         try:
@@ -181,24 +203,24 @@ class BaseModels:
                 raise BaseModelError(err)
             return path
         with file_lock(folder.with_name(f"{key}.lock")):  # two sweeps building one base wait for each other
-            if (folder / "base.json").is_file():
+            if (folder / BASE_INFO).is_file():
                 self.log(f"base model {cfg.model.name}: cached {folder}")
                 self._done[key] = (folder, None)
                 return folder
             shutil.rmtree(folder, ignore_errors=True)  # a pretraining cut short: start it again
             folder.mkdir(parents=True)
-            (folder / "config.toml").write_text(to_toml(pcfg))
+            (folder / CONFIG).write_text(to_toml(pcfg))
             self.log(f"base model {cfg.model.name}: pretraining {self.pre.steps} steps into {folder}")
             t0 = time.time()
-            rc, err = self.run_fn(self.command + train_tail(folder / "config.toml", folder), folder)
+            rc, err = self.run_fn(self.command + train_tail(folder), folder)
             if rc != 0:
                 msg = f"pretraining {cfg.model.name} failed (exit {rc}): {err or 'no stderr'} [log: {folder}]"
                 self._done[key] = (None, msg)
                 raise BaseModelError(msg)
-            for opt in (folder / "checkpoints").glob("*/optimizer*.safetensors"):
+            for opt in (folder / CHECKPOINTS).glob("*/optimizer*.safetensors"):
                 opt.unlink()  # fine-tuning starts a fresh optimizer: keep only the weights (1/3 of the bytes)
-            scores = json.loads((folder / "eval.json").read_text())
-            (folder / "base.json").write_text(json.dumps({
+            scores = json.loads((folder / EVAL).read_text())
+            (folder / BASE_INFO).write_text(json.dumps({
                 "key": key, "model": cfg.model.name, "steps": self.pre.steps, "created": now(),
                 "seconds": round(time.time() - t0, 1), "val_loss": scores.get("val_loss"),
                 "unigram_entropy": scores.get("unigram_entropy"), "pretrain": dataclasses.asdict(self.pre)},

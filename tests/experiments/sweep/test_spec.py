@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
-from experiments import spec as specs
+from experiments.sweep import cli
+from experiments.sweep import spec as specs
 from memtrain.config import tomllib  # tomllib, or tomli on Python 3.10
-from tests.experiments._helpers import IDS, SPEC
+from tests.experiments.sweep._helpers import IDS, SPEC
 
 
 def test_expand_ids_axes_and_overrides():
@@ -66,6 +69,27 @@ def test_presets_parse(name):
     if name == "paper":
         assert {p.cfg.model.name for p in points} == {"llama-3.1-8b", "llama-3.1-70b", "llama-3.1-405b"}
         assert spec.pretrain.steps == 0
+
+
+def test_points_of_is_what_a_sweep_list_and_dry_run_take(tmp_path, capsys):
+    spec = specs.parse_spec(tomllib.loads(SPEC), "mini.toml")
+    resolved, points = specs.points_of(spec, ["pretrain.steps=7", "train.lr=0.01"], "offline", "goldfish")
+    assert spec.pretrain.steps == 0 and resolved.pretrain.steps == 7  # the spec given is left as it was
+    assert [p.id for p in points] == [i for i in IDS if "goldfish" in i]
+    assert all(p.cfg.train.lr == 0.01 and p.cfg.wandb.mode == "offline" for p in points)
+    unpretrained = specs.points_of(spec, ["train.lr=0.01"], "offline", "goldfish")[1]
+    assert [p.digest for p in points] != [p.digest for p in unpretrained]  # a base model changes the result
+    path = tmp_path / "mini.toml"
+    path.write_text(SPEC)
+    argv = [str(path), "--only", "goldfish", "--set", "pretrain.steps=7", "--set", "train.lr=0.01"]
+    assert cli.main(argv + ["--list"]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[1] == "pretrain: 7 steps (disjoint corpus)"
+    assert [line.split()[0] for line in printed[2:]] == [p.id for p in points]
+    argv += ["--launcher", "slurm", "--dry-run", "--time", "5", "--gpus-per-node", "1", "--out", str(tmp_path)]
+    assert cli.main(argv) == 0
+    scripts = re.findall(r"^#### (\S+): .*after its base model is pretrained", capsys.readouterr().out, re.M)
+    assert scripts == [p.id for p in points]
 
 
 def test_set_on_an_axis_key_warns():

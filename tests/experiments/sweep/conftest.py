@@ -4,7 +4,7 @@ import sys
 
 import pytest
 
-from tests.experiments._helpers import FAKE, SPEC
+from tests.experiments.sweep._helpers import FAKE, SPEC
 
 
 @pytest.fixture

@@ -36,6 +36,7 @@ from memtrain.data.tokenizer import vocab_size
 from memtrain.files import atomic_dir
 from memtrain.hf.parallelize import hf_keys
 from memtrain.models import build_model
+from memtrain.run_files import CONFIG, RUN, TOKENIZER
 from memtrain.training.checkpoint import latest, model_source
 
 _HINT = "pass the --out directory of `memtrain train` or one of its checkpoints/step_* directories"
@@ -47,7 +48,7 @@ def export(source: str | os.PathLike, out: str | os.PathLike, max_shard_bytes: i
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise FileExistsError(f"--out {str(out)!r} is a file: name a directory")
-    cfg = load_config(run / "config.toml")
+    cfg = load_config(run / CONFIG)
     tok = _tokenizer(run, cfg)
     # The model the trainer built (named config at the tokenizer's vocabulary, or the directory's config), on
     # meta: only its config and its state-dict names and shapes are needed.
@@ -83,14 +84,14 @@ def resolve(path: Path) -> tuple[Path, Path]:
     """(run directory, checkpoint directory) of a run directory or of one of its checkpoints."""
     if not path.exists():
         raise FileNotFoundError(f"RUN_OR_CHECKPOINT {str(path)!r} does not exist: {_HINT}")
-    if (path / "config.toml").is_file():
+    if (path / CONFIG).is_file():
         ckpt = latest(path)
         if ckpt is None:
             raise FileNotFoundError(f"run {str(path)!r} has no complete checkpoint in {str(path / 'checkpoints')!r}: "
                                     "let its training finish (`memtrain train --resume` continues it)")
         return path, ckpt
     run = path.parent.parent  # RUN/checkpoints/step_N: the config and tokenizer live in RUN
-    if (path / "state.json").is_file() and (run / "config.toml").is_file():
+    if (path / "state.json").is_file() and (run / CONFIG).is_file():
         return run, path
     raise ValueError(f"RUN_OR_CHECKPOINT {str(path)!r} is neither a run directory (config.toml) nor a checkpoint "
                      f"of one (state.json): {_HINT}")
@@ -98,15 +99,15 @@ def resolve(path: Path) -> tuple[Path, Path]:
 
 def _tokenizer(run: Path, cfg):
     """The run's tokenizer with BOS = EOS (prepended by the tokenizer) and a pad token."""
-    if (run / "tokenizer").is_dir():
-        tok = AutoTokenizer.from_pretrained(run / "tokenizer", local_files_only=True)
+    if (run / TOKENIZER).is_dir():
+        tok = AutoTokenizer.from_pretrained(run / TOKENIZER, local_files_only=True)
         for key in ("is_local", "local_files_only"):  # how this copy was loaded, which save_pretrained would keep
             tok.init_kwargs.pop(key, None)
     else:  # a run from before the trainer kept its tokenizer: rebuild the stream, check it is the trained one
         from memtrain.data import build_stream
 
         stream = build_stream(cfg.data, cfg.canaries, seed=cfg.train.seed)
-        if json.loads((run / "run.json").read_text()).get("stream_key") != stream.key:
+        if json.loads((run / RUN).read_text()).get("stream_key") != stream.key:
             raise ValueError(f"run {str(run)!r} has no tokenizer/ and its data or tokenizer changed since training: "
                              "export with the data and tokenizer it was trained with")
         tok = stream.tokenizer

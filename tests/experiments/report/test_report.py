@@ -8,7 +8,8 @@ import struct
 import pytest
 
 from experiments import report
-from experiments.results import latest_by_point, read_results
+from experiments.results import latest_by_point
+from memtrain.files import read_jsonl
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 MODELS = [("ladder-1m", 1_100_000), ("ladder-3m", 3_200_000), ("ladder-10m", 9_800_000), ("ladder-30m", 31_000_000)]
@@ -106,7 +107,7 @@ def test_last_line_per_point_wins_and_torn_lines_are_skipped(tmp_path):
     failed = synthetic_row("ladder-1m", 1_100_000, "standard", status="failed")
     ok = synthetic_row("ladder-1m", 1_100_000, "standard")
     path.write_text(json.dumps(failed) + "\n" + '{"point": "torn", "sta' + "\n" + "[1, 2]\n" + json.dumps(ok) + "\n")
-    rows = list(latest_by_point(read_results(path)).values())
+    rows = list(latest_by_point(read_jsonl(path)).values())
     assert len(rows) == 1 and rows[0]["status"] == "ok"
     made = report.build_report(path)
     assert "| ok |" in made["report"].read_text()

@@ -1,23 +1,19 @@
-"""A sweep's report.md and figures, drawn from its results.jsonl alone.
+"""report.md: the sections of a sweep's report, as markdown tables drawn from its result records.
 
-    memtrain plot runs/quick                       # the sweep directory (or its results.jsonl)
-    memtrain plot results.jsonl --out report/      # anywhere: nothing but results.jsonl is read
-    python -m experiments.report runs/quick
-
-Several lines for the same point (a failure, then a retry with --resume) count once: the last one wins.
-Seeds are pooled: exact-match rates are counts over canaries x seeds with 95% Wilson intervals (n given).
 Sections: memorization vs passes (when the runs scored every pass) with passes to 50% exact match and the
 power law through them, extrapolated to one pass (labelled as such); the runs; exact match by copies; the
 base models (validation loss beside the unigram entropy of their pretraining text); the Goldfish loss's
-validation cost at equal supervised tokens; the published anchors; the figures (experiments/figures.py).
+validation cost at equal supervised tokens; the learning-rate rule; canaries buried mid-row; the published
+anchors; failures; the figures (figures.py).
 """
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
-from experiments.aggregate import (
+from memtrain.files import write_atomic
+
+from .aggregate import (
     THRESHOLD,
     base_models,
     copies_of,
@@ -33,10 +29,6 @@ from experiments.aggregate import (
     supervised_token_cost,
     threshold_fit,
 )
-from experiments.figures import draw_figures
-from experiments.results import latest_by_point, read_results
-from memtrain.cli import ArgumentParser, fail
-from memtrain.files import write_atomic
 
 ANCHORS = [
     "Goldfish paper (Hans et al., NeurIPS'24), extreme setting: Llama-2-7B trained 100 epochs on 100 Wikipedia "
@@ -210,40 +202,3 @@ def write_markdown(rows: list[dict], figs: list[Path], out: Path) -> Path:
         rel = fig.relative_to(out) if fig.is_relative_to(out) else fig
         lines += [f"### {fig.stem.replace('_', ' ')}", "", f"![{fig.stem}]({rel.as_posix()})", ""]
     return write_atomic(out / "report.md", "\n".join(lines) + "\n")
-
-
-def build_report(results: str | Path, out: str | Path | None = None) -> dict:
-    """Figures and report.md from a results.jsonl (or a directory holding one) into `out`."""
-    results = Path(results)
-    if results.is_dir():
-        results = results / "results.jsonl"
-    if not results.is_file():
-        raise FileNotFoundError(f"{str(results)!r} not found: pass a sweep directory or its results.jsonl")
-    out = Path(out) if out else results.parent
-    out.mkdir(parents=True, exist_ok=True)
-    rows = list(latest_by_point(read_results(results)).values())
-    if not rows:
-        raise ValueError(f"{str(results)!r} holds no results yet")
-    figs = draw_figures(rows, out / "figures")
-    md = write_markdown(rows, figs, out)
-    return {"report": md, "figures_dir": out / "figures", "figures": figs, "table": table_rows(rows),
-            "runs": len(rows)}
-
-
-def main(argv: list[str] | None = None) -> int:
-    ap = ArgumentParser(prog="memtrain plot", description="Draw a sweep's figures and report.md from "
-                                 "its results.jsonl (nothing else is read).")
-    ap.add_argument("path", help="a sweep directory (runs/<sweep>) or a results.jsonl file")
-    ap.add_argument("--out", default=None, help="where report.md and figures/ go (default: next to results.jsonl)")
-    args = ap.parse_args(argv)
-    try:
-        made = build_report(args.path, args.out)
-    except (OSError, ValueError) as e:
-        return fail(str(e))
-    print(f"report: {made['report']} ({made['runs']} runs)")
-    print(f"figures: {made['figures_dir']}/ ({', '.join(fig.name for fig in made['figures'])})")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

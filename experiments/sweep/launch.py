@@ -1,24 +1,19 @@
-"""How a sweep starts a run: the command prefix (python -m memtrain, torchrun, or a custom runner), the run
-directory it trains into, and a runner that executes it with its output in that directory. (Cluster
-launchers, slurm and submitit-local: experiments/slurm.py.)"""
+"""How a sweep starts a run on this machine: the command prefix (python -m memtrain, torchrun, or a custom runner)
+that a `train --config ... --out ...` tail is appended to, the environment it starts with, and a runner that
+executes it with its output in the run directory. (Cluster launchers, slurm and submitit-local: jobs.py.)"""
 
 from __future__ import annotations
 
 import os
 import re
 import shlex
-import shutil
 import signal
 import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-from memtrain.files import write_atomic
-
-if TYPE_CHECKING:
-    from memtrain.config import RunConfig
+from memtrain.run_files import CONFIG
 
 # A runner executes one command for a run directory and returns (exit code, last stderr line or None).
 Runner = Callable[[list, Path], "tuple[int, str | None]"]
@@ -38,6 +33,11 @@ def default_command(launcher: str = "local", nproc: int = 1, runner: str | None 
         return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
                 "-m", "memtrain"]
     return [sys.executable, "-m", "memtrain"]
+
+
+def train_tail(run_dir: Path, resume: bool = False) -> list[str]:
+    """`train` of the config.toml in `run_dir`, into `run_dir`: what every point and base model runs."""
+    return ["train", "--config", str(run_dir / CONFIG), "--out", str(run_dir)] + (["--resume"] if resume else [])
 
 
 def last_line(text: str) -> str | None:
@@ -90,25 +90,3 @@ def die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):  # not Linux: the run directory's lock still keeps a second trainer out
         pass
-
-
-def train_tail(config: Path, out: Path, resume: bool = False) -> list[str]:
-    return ["train", "--config", str(config), "--out", str(out)] + (["--resume"] if resume else [])
-
-
-
-def prepare_run_dir(run_dir: Path, cfg: RunConfig, resume: bool) -> bool:
-    """Write the run's config.toml; True if a checkpoint of this exact config lets the run resume."""
-    from memtrain.config import to_toml  # not at the top: a job's task imports this module, and needs no torch
-
-    text = to_toml(cfg)
-    if run_dir.exists():
-        same = (run_dir / "config.toml").is_file() and (run_dir / "config.toml").read_text() == text
-        if resume and same and (run_dir / "checkpoints" / "latest").is_file():
-            for name in ("eval.json", "eval_canaries.jsonl"):
-                (run_dir / name).unlink(missing_ok=True)
-            return True
-        shutil.rmtree(run_dir)  # leftovers of an interrupted or older run of this point
-    run_dir.mkdir(parents=True)
-    write_atomic(run_dir / "config.toml", text)
-    return False

@@ -1,5 +1,5 @@
 """What the sweep tests share: the small spec (3 ladder sizes x {standard, goldfish k=4}), a stand-in for
-`python -m memtrain` (FAKE) and readers of what it and the sweep wrote."""
+`python -m memtrain` (FAKE), readers of what it and the sweep wrote, and a small corpus."""
 
 import json
 import textwrap
@@ -84,6 +84,17 @@ FAKE = textwrap.dedent('''
                  "rouge_l": 0.1 * i, "generated_text": "x", "exposure": 1.0} for i in range(4)]
         (out / "eval_canaries.jsonl").write_text("".join(json.dumps(r) + "\\n" for r in rows))
 ''')
+
+
+def write_corpus(root: Path, count: int = 40) -> Path:
+    """`count` distinct short documents (doc00.txt, ...) in the new directory `root`."""
+    words = ("the model reads every token of the stream once and the loss drops a hashed subset of "
+             "targets so that no passage can be repeated verbatim from memory alone").split()
+    root.mkdir()
+    for i in range(count):
+        text = " ".join(words[(i * 5 + j * (i % 7 + 1)) % len(words)] for j in range(90 + 3 * i))
+        (root / f"doc{i:02d}.txt").write_text(f"# note {i}\n{text}\n")
+    return root
 
 
 def launched(log: Path) -> list[dict]:

@@ -1,5 +1,8 @@
 """Sweep specs: a TOML file (or a preset of experiments/presets/) of a base config, axes and a
-pretraining section, expanded into the validated points of a grid. See experiments/sweep.py for the format."""
+pretraining section, expanded into the validated points of a grid. The format: experiments/sweep/__init__.py.
+
+`points_of` is the one way from a spec and the command line (--set, --wandb, --only) to the points: running a sweep,
+`--list` and `--dry-run` all take theirs from it."""
 
 from __future__ import annotations
 
@@ -14,7 +17,9 @@ from pathlib import Path
 
 from memtrain.config import RunConfig, apply_overrides, from_dict, load_toml, parse_value
 
-PRESETS = Path(__file__).resolve().parent / "presets"
+from .slurm_options import options_from_spec
+
+PRESETS = Path(__file__).resolve().parents[1] / "presets"
 AXIS_ALIASES = {"seeds": "train.seed", "seed": "train.seed"}
 
 
@@ -48,6 +53,10 @@ class PretrainSpec:
     set: list[str] = field(default_factory=list)
     """Extra 'section.key=value' overrides of the pretraining run's config."""
 
+    def applies_to(self, cfg: RunConfig) -> bool:
+        """Does a run of `cfg` start from a base model pretrained this way (pretraining on, no model.init)?"""
+        return self.steps > 0 and not cfg.model.init
+
 
 @dataclass
 class Spec:
@@ -60,7 +69,7 @@ class Spec:
     jobs: int = 1
     """Points run side by side on this machine (each with its share of the cores)."""
     slurm: dict = field(default_factory=dict)
-    """Defaults of the cluster launchers (section [slurm]: experiments/slurm_options.py's ClusterOptions keys)."""
+    """Defaults of the cluster launchers (section [slurm]: slurm_options.py's ClusterOptions keys)."""
     source: str = ""
 
 
@@ -79,7 +88,7 @@ def _digest(cfg: RunConfig, pre: PretrainSpec) -> str:
     d.pop("wandb", None)
     d["data"] = dict(d["data"], cache_dir=None)
     d["train"].pop("checkpoint_every_min")  # when to save changes nothing trained (and keeps older digests valid)
-    blob = {"config": d, "pretrain": dataclasses.asdict(pre) if pre.steps and not cfg.model.init else None}
+    blob = {"config": d, "pretrain": dataclasses.asdict(pre) if pre.applies_to(cfg) else None}
     return hashlib.sha256(json.dumps(blob, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -121,8 +130,6 @@ def parse_spec(raw: dict, source: str = "<dict>") -> Spec:
     if isinstance(spec.jobs, bool) or not isinstance(spec.jobs, int) or spec.jobs < 1:
         raise ValueError(f"sweep spec {source}: jobs = {spec.jobs!r} is invalid: use an integer >= 1")
     spec.pretrain = _pretrain_spec(raw.get("pretrain", {}), source)
-    from .slurm_options import options_from_spec
-
     spec.slurm = options_from_spec(raw.get("slurm", {}), source)
     from_dict(copy.deepcopy(spec.base))  # validate the base early: a typo fails before any run starts
     for key, values in spec.axes.items():
@@ -257,6 +264,17 @@ def expand(spec: Spec, overrides: list[str] | None = None, wandb_mode: str | Non
         points.append(Point(id=pid, axes={AXIS_ALIASES.get(k, k): v for k, v in combo}, cfg=cfg,
                             digest=_digest(cfg, spec.pretrain)))
     return points
+
+
+def points_of(spec: Spec, overrides: list[str] | None = None, wandb_mode: str | None = None,
+              only: str | None = None) -> tuple[Spec, list[Point]]:
+    """The sweep's points as the command line asks for them: --set split between the run config and the spec's
+    own [pretrain] and [sweep] sections, the grid expanded and validated, --only applied. Returns a copy of the
+    spec with its sections' overrides applied (the points' digests depend on its [pretrain]) and the points."""
+    run_over, pre_over, sw_over = split_overrides(list(overrides or []))
+    spec = copy.deepcopy(spec)
+    apply_spec_overrides(spec, pre_over, sw_over)
+    return spec, select(expand(spec, run_over, wandb_mode), only)
 
 
 def select(points: list[Point], only: str | None) -> list[Point]:

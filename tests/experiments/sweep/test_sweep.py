@@ -1,6 +1,6 @@
 """Sweep mechanics with a fake `memtrain` (no training): one results line per point, failures recorded
 while the others finish, --resume after a kill runs only the missing points and loses no line, base
-models pretrained once and reused. (Specs and presets: test_spec.py; launch commands: test_launch.py.)"""
+models pretrained once and reused. (Specs and presets: test_spec.py; launch commands: test_launchers.py.)"""
 
 from __future__ import annotations
 
@@ -12,18 +12,20 @@ import sys
 import textwrap
 from pathlib import Path
 
-from experiments import spec as specs
-from experiments import sweep
-from experiments.results import latest_by_point, read_results
+from experiments.results import latest_by_point
+from experiments.sweep import cli
+from experiments.sweep import spec as specs
+from experiments.sweep.run import run_sweep
 from memtrain.config import tomllib  # tomllib, or tomli on Python 3.10
-from tests.experiments._helpers import IDS, launched, results
+from memtrain.files import read_jsonl
+from tests.experiments.sweep._helpers import IDS, launched, results, write_corpus
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 def test_failure_is_recorded_and_the_sweep_goes_on(env, capsys):
     out = env["tmp"] / "runs" / "mini"
     os.environ["FAKE_FAIL"] = "ladder-3m_standard"
-    rc = sweep.main([str(env["spec"]), "--out", str(out), "--runner", env["runner"], "--wandb", "disabled"])
+    rc = cli.main([str(env["spec"]), "--out", str(out), "--runner", env["runner"], "--wandb", "disabled"])
     assert rc == 1  # some point failed
     rows = results(out)
     assert [r["point"] for r in rows] == IDS
@@ -44,13 +46,13 @@ def test_failure_is_recorded_and_the_sweep_goes_on(env, capsys):
     assert "FAILED" in printed and "report:" in printed
 
     # without --resume an existing sweep is never mixed into
-    assert sweep.main([str(env["spec"]), "--out", str(out), "--runner", env["runner"]]) == 2
+    assert cli.main([str(env["spec"]), "--out", str(out), "--runner", env["runner"]]) == 2
 
     # --resume retries only the failed point; every earlier line stays as it was
     before = (out / "results.jsonl").read_bytes()
     os.environ["FAKE_FAIL"] = ""
     n_launched = len(launched(env["log"]))
-    assert sweep.main([str(env["spec"]), "--out", str(out), "--runner", env["runner"], "--resume",
+    assert cli.main([str(env["spec"]), "--out", str(out), "--runner", env["runner"], "--resume",
                        "--no-report"]) == 0
     assert (out / "results.jsonl").read_bytes().startswith(before)
     assert [x["name"] for x in launched(env["log"])[n_launched:]] == ["ladder-3m_standard"]
@@ -78,9 +80,9 @@ def test_resume_after_kill_runs_only_missing_points(env):
     assert (out / "results.jsonl").read_bytes().startswith(before)  # appended only, nothing rewritten
     again = [x["name"] for x in launched(env["log"])[n_launched:]]
     assert again == IDS[3:]  # only the missing points, the killed one included
-    rows = read_results(out / "results.jsonl")
+    rows = read_jsonl(out / "results.jsonl")
     assert [r["point"] for r in rows] == IDS and all(r["status"] == "ok" for r in rows)
-    assert "not valid JSON" in proc.stderr  # the torn line was noticed and skipped
+    assert "is not a complete JSON record" in proc.stderr  # the torn line was noticed and skipped
 
 
 def test_resume_continues_a_run_with_a_checkpoint(env):
@@ -92,12 +94,12 @@ def test_resume_continues_a_run_with_a_checkpoint(env):
         calls.append(cmd)
         return subprocess.run(cmd, capture_output=True).returncode, None
 
-    sweep.run_sweep(spec, out, runner=env["runner"], run_fn=run_fn, report=False, log=lambda *a: None)
+    run_sweep(spec, out, runner=env["runner"], run_fn=run_fn, report=False, log=lambda *a: None)
     # pretend the last point was interrupted after its final checkpoint but before the results line
     rows = (out / "results.jsonl").read_text().splitlines()
     (out / "results.jsonl").write_text("\n".join(rows[:-1]) + "\n")
     calls.clear()
-    sweep.run_sweep(spec, out, runner=env["runner"], run_fn=run_fn, resume=True, report=False,
+    run_sweep(spec, out, runner=env["runner"], run_fn=run_fn, resume=True, report=False,
                     log=lambda *a: None)
     assert len(calls) == 1 and calls[0][-1] == "--resume" and IDS[-1] in calls[0][calls[0].index("--out") + 1]
 
@@ -106,22 +108,17 @@ def test_changed_config_reruns_on_resume(env):
     out = env["tmp"] / "changed"
     spec = specs.load_spec(env["spec"])
     quiet = {"runner": env["runner"], "report": False, "log": lambda *a: None}
-    sweep.run_sweep(spec, out, **quiet)
+    run_sweep(spec, out, **quiet)
     n = len(launched(env["log"]))
-    sweep.run_sweep(spec, out, resume=True, **quiet)
+    run_sweep(spec, out, resume=True, **quiet)
     assert len(launched(env["log"])) == n  # nothing to do
-    sweep.run_sweep(spec, out, resume=True, overrides=["train.lr=0.5"], **quiet)
+    run_sweep(spec, out, resume=True, overrides=["train.lr=0.5"], **quiet)
     assert len(launched(env["log"])) == n + len(IDS)  # every point's config changed
     assert len(results(out)) == 2 * len(IDS)
 
 
 def test_base_models_pretrained_once_on_a_disjoint_corpus_and_reused(env, tmp_path):
-    corpus = tmp_path / "corpus"
-    corpus.mkdir()
-    words = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho".split()
-    for i in range(40):
-        text = " ".join(words[(i * 7 + j) % len(words)] + str((i * j) % 13) for j in range(120))
-        (corpus / f"doc{i:02d}.txt").write_text(f"document {i}: {text}\n")
+    corpus = write_corpus(tmp_path / "corpus", 40)
     spec_path = tmp_path / "pre.toml"
     spec_path.write_text(textwrap.dedent(f'''
         [sweep]
@@ -142,7 +139,7 @@ def test_base_models_pretrained_once_on_a_disjoint_corpus_and_reused(env, tmp_pa
         max_docs = 20
     '''))
     quiet = {"runner": env["runner"], "report": False, "log": lambda *a: None}
-    sweep.run_sweep(specs.load_spec(spec_path), tmp_path / "first", **quiet)
+    run_sweep(specs.load_spec(spec_path), tmp_path / "first", **quiet)
     calls = launched(env["log"])
     pre = [c for c in calls if c["pretrain"]]
     assert [c["config"]["model"]["name"] for c in pre] == ["ladder-1m", "ladder-3m"]  # one base per size
@@ -180,14 +177,14 @@ def test_base_models_pretrained_once_on_a_disjoint_corpus_and_reused(env, tmp_pa
     assert tok_pre.eos_token_id == tok_ft.eos_token_id and len(tok_pre) == len(tok_ft)
 
     # a second sweep finds the bases in the cache
-    sweep.run_sweep(specs.load_spec(spec_path), tmp_path / "second", **quiet)
+    run_sweep(specs.load_spec(spec_path), tmp_path / "second", **quiet)
     assert not [c for c in launched(env["log"])[len(calls):] if c["pretrain"]]
     assert {r["base_dir"] for r in results(tmp_path / "second")} == set(bases.values())
 
     # two points at a time, on a fresh cache: each base still built once, before the points that need it
     n = len(launched(env["log"]))
     os.environ["MEMTRAIN_CACHE"] = str(tmp_path / "cache2")
-    sweep.run_sweep(specs.load_spec(spec_path), tmp_path / "parallel", jobs=2, **quiet)
+    run_sweep(specs.load_spec(spec_path), tmp_path / "parallel", jobs=2, **quiet)
     calls = launched(env["log"])[n:]
     assert sorted(c["config"]["model"]["name"] for c in calls if c["pretrain"]) == ["ladder-1m", "ladder-3m"]
     assert [c["pretrain"] for c in calls] == [True, True, False, False, False, False]
@@ -208,12 +205,9 @@ def test_failed_pretraining_fails_its_points_only(env, tmp_path):
             return 1, "RuntimeError: pretraining exploded"
         return subprocess.run(cmd, capture_output=True).returncode, None
 
-    monkey_base = tmp_path / "stdlib-free"
-    monkey_base.mkdir()
-    for i in range(6):
-        (monkey_base / f"d{i}.txt").write_text(f"text number {i} " * 50)
-    spec.base["data"] = {"corpus": str(monkey_base), "vocab_size": 300, "seq_len": 32}
-    summary = sweep.run_sweep(spec, tmp_path / "pf", runner=env["runner"], run_fn=runner, report=False,
+    corpus = write_corpus(tmp_path / "stdlib-free", 6)
+    spec.base["data"] = {"corpus": str(corpus), "vocab_size": 300, "seq_len": 32}
+    summary = run_sweep(spec, tmp_path / "pf", runner=env["runner"], run_fn=runner, report=False,
                               log=lambda *a: None)
     rows = results(tmp_path / "pf")
     assert [r["status"] for r in rows] == ["failed", "ok"] and summary["failed"] == 1

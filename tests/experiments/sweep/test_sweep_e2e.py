@@ -11,19 +11,10 @@ import textwrap
 import time
 from pathlib import Path
 
-from experiments import sweep
+from experiments.sweep import cli
+from tests.experiments.sweep._helpers import write_corpus
 
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def _corpus(root):
-    words = ("the model reads every token of the stream once and the loss drops a hashed subset of "
-             "targets so that no passage can be repeated verbatim from memory alone").split()
-    root.mkdir()
-    for i in range(40):
-        text = " ".join(words[(i * 5 + j * (i % 7 + 1)) % len(words)] for j in range(90 + 3 * i))
-        (root / f"doc{i:02d}.txt").write_text(f"# note {i}\n{text}\n")
-    return root
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def test_tiny_sweep_end_to_end(tmp_path, monkeypatch):
@@ -32,7 +23,7 @@ def test_tiny_sweep_end_to_end(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_SILENT", "true")
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
-    corpus = _corpus(tmp_path / "corpus")
+    corpus = write_corpus(tmp_path / "corpus")
     spec_path = tmp_path / "tiny.toml"
     spec_path.write_text(textwrap.dedent(f'''
         [sweep]
@@ -63,7 +54,7 @@ def test_tiny_sweep_end_to_end(tmp_path, monkeypatch):
         corpus = "disjoint"
     '''))
     out = tmp_path / "runs" / "tiny"
-    assert sweep.main([str(spec_path), "--out", str(out), "--wandb", "offline"]) == 0
+    assert cli.main([str(spec_path), "--out", str(out), "--wandb", "offline"]) == 0
 
     rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
     assert [r["point"] for r in rows] == ["ladder-1m_standard", "ladder-1m_goldfish-k4", "ladder-3m_standard",
@@ -86,14 +77,14 @@ def test_tiny_sweep_end_to_end(tmp_path, monkeypatch):
     assert all(f"| {r['point']} |" in md for r in rows)
     assert len(list((out / "figures").glob("*.png"))) == 7
 
-    assert sweep.main([str(spec_path), "--out", str(out), "--resume", "--no-report"]) == 0
+    assert cli.main([str(spec_path), "--out", str(out), "--resume", "--no-report"]) == 0
     assert len((out / "results.jsonl").read_text().splitlines()) == 4
 
 
 def test_sweep_killed_with_sigkill_takes_its_trainer_along_and_resumes(tmp_path):
     """kill -9 of the sweep while a real trainer runs: the trainer dies with it (no orphan keeps writing the
     run directory), and --resume continues that point from its checkpoint to an ok result."""
-    corpus = _corpus(tmp_path / "corpus")
+    corpus = write_corpus(tmp_path / "corpus")
     spec_path = tmp_path / "one.toml"
     spec_path.write_text(textwrap.dedent(f'''
         [sweep]

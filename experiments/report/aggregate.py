@@ -12,7 +12,7 @@ import math
 import re
 from collections import defaultdict
 
-from experiments.stats import first_reaching, loglog_fit, solve_loglog, wilson
+from .stats import first_reaching, loglog_fit, solve_loglog, wilson
 
 THRESHOLD = 0.5
 """Exact-match rate a size has to reach for `passes_to_threshold`."""

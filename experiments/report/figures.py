@@ -11,7 +11,7 @@ import re
 from collections import defaultdict
 from pathlib import Path
 
-from experiments.aggregate import (
+from .aggregate import (
     THRESHOLD,
     agg,
     copies_of,

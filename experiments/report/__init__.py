@@ -1,0 +1,61 @@
+"""A sweep's report.md and figures, drawn from its results.jsonl alone.
+
+    memtrain plot runs/quick                       # the sweep directory (or its results.jsonl)
+    memtrain plot results.jsonl --out report/      # anywhere: nothing but results.jsonl is read
+    python -m experiments.report runs/quick
+
+Several lines for the same point (a failure, then a retry with --resume) count once: the last one wins.
+Seeds are pooled: exact-match rates are counts over canaries x seeds with 95% Wilson intervals (n given).
+
+The modules, each importing only those below it (and experiments.results, memtrain; never experiments.sweep,
+never torch: `memtrain plot` starts fast):
+
+    markdown   report.md: its sections and tables
+    figures    the PNG figures (matplotlib, imported when drawing)
+    aggregate  from records to the numbers shown: pooled rates, per-pass curves, passes to 50%, costs
+    stats      Wilson intervals, passes to a threshold, the log-log power law
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from experiments.results import RESULTS, latest_by_point
+from memtrain.commandline import ArgumentParser, fail
+from memtrain.files import read_jsonl
+
+from .figures import draw_figures
+from .markdown import table_rows, write_markdown
+
+
+def build_report(results: str | Path, out: str | Path | None = None) -> dict:
+    """Figures and report.md from a results.jsonl (or a directory holding one) into `out`."""
+    results = Path(results)
+    if results.is_dir():
+        results = results / RESULTS
+    if not results.is_file():
+        raise FileNotFoundError(f"{str(results)!r} not found: pass a sweep directory or its results.jsonl")
+    out = Path(out) if out else results.parent
+    out.mkdir(parents=True, exist_ok=True)
+    rows = list(latest_by_point(read_jsonl(results)).values())
+    if not rows:
+        raise ValueError(f"{str(results)!r} holds no results yet")
+    figs = draw_figures(rows, out / "figures")
+    md = write_markdown(rows, figs, out)
+    return {"report": md, "figures_dir": out / "figures", "figures": figs, "table": table_rows(rows),
+            "runs": len(rows)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = ArgumentParser(prog="memtrain plot", description="Draw a sweep's figures and report.md from "
+                                 "its results.jsonl (nothing else is read).")
+    ap.add_argument("path", help="a sweep directory (runs/<sweep>) or a results.jsonl file")
+    ap.add_argument("--out", default=None, help="where report.md and figures/ go (default: next to results.jsonl)")
+    args = ap.parse_args(argv)
+    try:
+        made = build_report(args.path, args.out)
+    except (OSError, ValueError) as e:
+        return fail(str(e))
+    print(f"report: {made['report']} ({made['runs']} runs)")
+    print(f"figures: {made['figures_dir']}/ ({', '.join(fig.name for fig in made['figures'])})")
+    return 0

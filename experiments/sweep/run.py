@@ -1,0 +1,187 @@
+"""Running a sweep: its points (spec.points_of), the ones left to run (results.jsonl and --resume), each point's
+life (point.py) here, `jobs` side by side, or as cluster jobs (slurm.py), and at the end the report
+(experiments.report), drawn from results.jsonl alone.
+
+One sweep at a time writes a sweep directory (a lock), and never into the results of another unless told to
+--resume: a point whose recorded result is ok for its current config is skipped; a failed, missing or changed
+one runs again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from experiments.report import build_report
+from experiments.results import RESULTS, latest_by_point, now
+from memtrain.config import RunConfig
+from memtrain.files import file_lock, read_jsonl, write_atomic
+from memtrain.models import param_count
+
+from . import slurm
+from .base_models import BaseModels
+from .jobs import Cluster
+from .launch import CLUSTER_LAUNCHERS, Runner, default_command, subprocess_runner
+from .point import PointLife
+from .slurm_options import ClusterOptions, merge
+from .spec import Point, Spec, points_of
+
+
+def run_sweep(spec: Spec, out_dir: str | Path | None = None, *, overrides: list[str] | None = None,
+              resume: bool = False, launcher: str = "local", nproc: int = 1, wandb_mode: str | None = None,
+              runner: str | None = None, run_fn: Runner | None = None, report: bool = True, only: str | None = None,
+              jobs: int | None = None, cluster: ClusterOptions | None = None, wait: bool = True,
+              log=print) -> dict:
+    """Run every point of `spec` not already finished (only those whose id matches the regular expression
+    `only`, if given), `jobs` at a time (default: the spec's; with a cluster launcher, jobs queued or running,
+    default all); returns {ok, failed, skipped, pending, results, out, report}. A cluster launcher (slurm,
+    submitit-local) takes `cluster` over the spec's [slurm] section; `wait=False` submits and returns."""
+    spec, points = points_of(spec, overrides, wandb_mode, only)
+    out = Path(out_dir) if out_dir else Path("runs") / spec.name
+    on_cluster = launcher in CLUSTER_LAUNCHERS
+    jobs = jobs or (None if on_cluster else spec.jobs)
+    if on_cluster or (jobs is not None and jobs > 1):  # runs report from threads: one line at a time
+        log = _serialized(log)
+    cl = Cluster(launcher, merge(spec.slurm, cluster), log) if on_cluster else None  # checks the options
+    if jobs is not None and jobs < 1:
+        raise ValueError(f"--jobs {jobs} is invalid: run at least 1 point at a time")
+    out.mkdir(parents=True, exist_ok=True)
+    with _exclusive(out / ".sweep.lock"), _threads_per_job(1 if on_cluster else jobs):
+        return _run_points(spec, points, out, overrides=overrides, resume=resume, launcher=launcher, nproc=nproc,
+                           runner=runner, run_fn=run_fn, report=report, jobs=jobs, cluster=cl, wait=wait, log=log)
+
+
+def _serialized(log):
+    lock = threading.Lock()
+
+    def locked(*args, **kwargs):
+        with lock:
+            log(*args, **kwargs)
+
+    return locked
+
+
+@contextlib.contextmanager
+def _threads_per_job(jobs: int):
+    """Split the cores between the runs that share the machine (unless OMP_NUM_THREADS says otherwise): runs of
+    small models scale badly across threads, so two one-thread runs beat one two-thread run on two cores."""
+    if jobs == 1 or "OMP_NUM_THREADS" in os.environ:
+        yield
+        return
+    os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // jobs))
+    try:
+        yield
+    finally:
+        os.environ.pop("OMP_NUM_THREADS", None)
+
+
+@contextlib.contextmanager
+def _exclusive(path: Path):
+    """Fail at once if another sweep is writing into the same directory."""
+    with contextlib.ExitStack() as stack:
+        try:
+            stack.enter_context(file_lock(path, blocking=False))
+        except BlockingIOError:
+            raise FileExistsError(f"another sweep is running in {str(path.parent)!r}: wait for it, or use "
+                                  "another --out") from None
+        yield
+
+
+def _run_points(spec: Spec, points: list[Point], out: Path, *, overrides, resume, launcher, nproc, runner, run_fn,
+                report, jobs, cluster: Cluster | None, wait, log) -> dict:
+    results = out / RESULTS
+    previous = latest_by_point(read_jsonl(results))
+    if previous and not resume:
+        raise FileExistsError(f"{str(results)!r} already holds {len(previous)} result(s): pass --resume to run "
+                              "only the missing points, or choose another --out")
+    submitted = [p.id for p in points if (out / p.id / slurm.JOB_FILE).is_file()]
+    if submitted and not resume:
+        raise FileExistsError(f"{str(out)!r} holds the jobs of an earlier sweep ({', '.join(submitted[:3])}): "
+                              "pass --resume to collect them and run only the missing points, or choose another --out")
+    write_atomic(out / "sweep.json", json.dumps({
+        "name": spec.name, "description": spec.description, "source": spec.source, "overrides": overrides or [],
+        "launcher": launcher, "nproc": nproc, "cluster": dataclasses.asdict(cluster.opts) if cluster else None,
+        "pretrain": dataclasses.asdict(spec.pretrain), "axes": spec.axes, "points": [p.id for p in points],
+        "written": now()}, indent=1, default=str))
+
+    todo = []
+    for p in points:
+        prev = previous.get(p.id)
+        if prev and prev.get("status") == "ok" and prev.get("config_digest") == p.digest:
+            continue
+        if prev and prev.get("status") == "ok":
+            log(f"{p.id}: its config changed since the recorded result: running it again")
+        todo.append(p)
+    skipped = len(points) - len(todo)
+    log(f"sweep {spec.name}: {len(points)} point(s), {len(todo)} to run"
+        + (f", {skipped} already done" if skipped else "") + f" -> {out}")
+
+    command = default_command(launcher, nproc, runner)
+    run_fn = run_fn or subprocess_runner
+    # on a cluster, base models are jobs too; jobs start in the submitting shell's directory: absolute paths
+    bases = BaseModels(spec.pretrain, command, cluster.runner(spec.name) if cluster else run_fn, log=log)
+    life = PointLife(spec, out.absolute() if cluster else out, command, bases, resume, log)
+    launched: list[str] = []
+    lock = threading.Lock()
+
+    def run_point(p: Point) -> None:
+        launch = life.prepare(p)
+        if launch is None:  # its base model failed: recorded already
+            return
+        with lock:
+            launched.append(p.id)
+            i = len(launched)
+        log(f"[{i}/{len(todo)}] {p.id}: {'resuming' if launch.resumed else 'training'} in {launch.run_dir}")
+        rc, err = run_fn(launch.command, launch.run_dir)
+        life.finish(life.ended(launch, "ok" if rc == 0 else "failed", None if rc == 0 else err or f"exit code {rc}"))
+
+    pending: list[str] = []
+    if cluster is not None:
+        pending = slurm.run_points(life, todo, cluster, limit=jobs, wait=wait)
+    elif jobs == 1:
+        for p in todo:
+            run_point(p)
+    else:  # biggest first, so that the last runs to finish are short ones
+        order = sorted(todo, key=lambda p: -_size(p.cfg.model.name))
+        bases.build_first([p.cfg for p in order], jobs)  # the bases first, side by side
+        with ThreadPoolExecutor(jobs) as pool:
+            list(pool.map(run_point, order))
+    failed = [i for i in life.failed if i not in pending]  # a failed job collected and submitted again is pending
+    ok = len(todo) - len(failed) - len(pending)
+    waiting = f", {len(pending)} queued, running or not yet submitted (collect them with --resume)" if pending else ""
+    log(f"sweep {spec.name}: {ok} ok, {len(failed)} failed, {skipped} skipped{waiting}; results: {results}")
+    summary = {"ok": ok, "failed": len(failed), "failed_ids": sorted(failed), "skipped": skipped,
+               "pending": sorted(pending), "results": results, "out": out}
+    if report and results.is_file() and not pending:
+        summary["report"] = _report(out, points[0].cfg if points else None, log)
+    return summary
+
+
+def _size(model: str) -> int:
+    try:
+        return param_count(model)
+    except (ValueError, OSError):  # a directory or hub id that cannot be read here: last
+        return 0
+
+
+def _report(out: Path, cfg: RunConfig | None, log) -> dict | None:
+    """Draw the report; mirror it to a W&B 'report' run of the sweep's group. Never fails the sweep."""
+    try:
+        made = build_report(out / RESULTS, out)
+    except Exception as e:  # noqa: BLE001 - results.jsonl is safe; the report can be redrawn with `memtrain plot`
+        log(f"warning: the report could not be drawn ({type(e).__name__}: {e}); retry with `memtrain plot {out}`")
+        return None
+    log(f"report: {made['report']}\nfigures: {made['figures_dir']}")
+    if cfg is not None and cfg.wandb.mode != "disabled":
+        from memtrain.training.tracking import Tracker  # the trainer's modules: only when a report is mirrored
+
+        tracker = Tracker.start(cfg, out / "report", 0, job_type="report", name=f"{cfg.wandb.group}-report")
+        tracker.log_table("results", made.get("table", []))
+        tracker.log_images(made["figures"])
+        tracker.finish()
+    return made
