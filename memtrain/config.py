@@ -135,7 +135,10 @@ class EvalConfig:
     pythia: bool = True
     """Also run the Pythia protocol (32 tokens in, 32 greedy tokens out) beside the suffix protocol."""
     val_docs: int = 64
-    """Held-out documents for validation loss."""
+    """Held-out documents for validation loss (whole documents, in windows of data.seq_len)."""
+    val_tokens: int = 20_480
+    """Tokens of those documents scored for validation loss, at most (the same set for the base model and
+    every fine-tune of a stream, so their losses compare)."""
 
 
 @dataclass
@@ -234,7 +237,7 @@ RULES = {
     "train.log_every": _at_least(1), "train.checkpoint_every": _at_least(0),
     "train.checkpoint_every_min": _at_least(0),
     "eval.suffix_len": _at_least(1), "eval.batch_size": _at_least(1), "eval.exposure_samples": _at_least(1),
-    "eval.val_docs": _at_least(1),
+    "eval.val_docs": _at_least(1), "eval.val_tokens": _at_least(1),
     "wandb.mode": _one_of(*WANDB_MODES),
 }
 """Range or choice of each field that has one (None, where allowed, always passes)."""

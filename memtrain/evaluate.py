@@ -23,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from scipy.stats import spearmanr
 
 import eval as ev
 import parallel
@@ -49,13 +50,15 @@ def _eval_canaries(canaries, eos: int, copies_seen: dict[str, int]) -> list[ev.C
     return out
 
 
-def _candidates(c, tok):
-    """(candidates_fn, |R|) over alternative secrets with the canary's own context (name) fixed."""
+def _candidates(c, tok, twin: bool = False):
+    """(candidates_fn, |R|) over alternative secrets with the scored sequence's own context fixed: the canary's
+    name, or for its twin the twin's (candidates carrying the member's name would put the twin outside its own
+    candidate space and score it as never seen by construction)."""
     space = c.candidate_space
     if c.format == "secret":
         n_digits = round(math.log10(space["size"]))
         groups = n_digits // 4
-        name = space["slots"]["name"]
+        name = space["twin_slots" if twin else "slots"]["name"]
 
         def fn(indices):
             out = []
@@ -83,16 +86,34 @@ def _exposures(model, stream, cfg) -> list[dict]:
     for c in stream.canaries:
         if c.kind != "random":
             continue
-        fn, size = _candidates(c, stream.tokenizer)
-        if fn is None:
-            continue
         for tokens, member in ((c.token_ids, True), (c.twin_token_ids, False)):
+            fn, size = _candidates(c, stream.tokenizer, twin=not member)
+            if fn is None:
+                break
             # Scored after the EOS that opens every canary copy, as in training.
             r = ev.exposure(model, [stream.eos_id], fn, size, true_tokens=list(tokens),
                             n_samples=cfg.eval.exposure_samples, batch_size=cfg.eval.batch_size, seed=0)
             rows.append({"id": c.id if member else c.id + "-twin", "inserted": member, "copies": c.copies,
                          "exposure": r.exposure, "exposure_method": r.method})
     return rows
+
+
+def order_effect(stream, rows: list[dict], batch_size: int) -> dict:
+    """Does the order of training show? Per copies level, the Spearman correlation of a member's last training
+    step with its log-likelihood (MIA's 'loss' score, the mean log-probability of its tokens): later-seen text
+    should be remembered better (positive). Levels with fewer than 4 members are left out; 'mean' weights the
+    levels by their members."""
+    last = {c.id: max(p.seq_index for p in c.placements) // batch_size for c in stream.canaries if c.placements}
+    out: dict = {}
+    for cp in sorted({r["copies"] for r in rows}):
+        pts = [(last[r["id"]], r["loss"]) for r in rows if r["inserted"] and r["copies"] == cp
+               and r["id"] in last and r.get("loss") is not None]
+        if len(pts) >= 4 and len({p[0] for p in pts}) > 1:
+            rho = spearmanr([p[0] for p in pts], [p[1] for p in pts]).statistic
+            out[str(cp)] = {"rho": None if np.isnan(rho) else float(rho), "n": len(pts)}
+    valid = [v for v in out.values() if v["rho"] is not None]
+    n = sum(v["n"] for v in valid)
+    return {"by_copies": out, "mean": sum(v["rho"] * v["n"] for v in valid) / n if n else None, "n": n}
 
 
 def _mean(values):
@@ -137,8 +158,8 @@ def evaluate(model, stream, cfg, run_dir: Path, steps: int, write: bool = True) 
         with stage(f"eval: exposure of {n_random} random canaries and their twins "
                    f"(up to {cfg.eval.exposure_samples:,} candidates each)"):
             expo = _exposures(model, stream, cfg)
-        val = stream.val_sequences(cfg.eval.val_docs)
-        with stage(f"eval: validation loss on {len(val)} held-out documents"):
+        val = stream.val_sequences(cfg.eval.val_docs, cfg.eval.val_tokens)
+        with stage(f"eval: validation loss on {sum(len(v) - 1 for v in val):,} tokens of held-out documents"):
             val_loss = ev.validation_loss(model, val, batch_size=cfg.eval.batch_size) if val else None
 
     tok = stream.tokenizer
@@ -188,7 +209,8 @@ def evaluate(model, stream, cfg, run_dir: Path, steps: int, write: bool = True) 
                   val_perplexity=val_loss["perplexity"] if val_loss else None,
                   unigram_entropy=stream.unigram_entropy(),
                   twins=summary(twins), by_copies=by_copies, cells=cells, skipped=ext.skipped, steps=steps,
-                  suffix_len=cfg.eval.suffix_len)
+                  suffix_len=cfg.eval.suffix_len, order_effect=order_effect(stream, rows, cfg.train.batch_size),
+                  exposure_samples=cfg.eval.exposure_samples)
     if in_row is not None:
         result["in_row"] = {k: in_row.aggregates["overall"][k] for k in ("n_evaluated", "exact_match_rate",
                                                                         "token_match_mean", "rouge_l_mean")}

@@ -146,13 +146,14 @@ def _encode(tok, text: str) -> list[int]:
 
 
 def make_document_canaries(cfg: CanaryConfig, tok, docs: list[Document], candidates: list[int],
-                           rng: np.random.Generator) -> tuple[list[Canary], list[int]]:
+                           rng: np.random.Generator, avoid: str = "") -> tuple[list[Canary], list[int]]:
     """`cfg.number` canaries cut from held-out documents; returns them and the indices of the documents
     used (canaries and twins), which the caller removes from the training text.
 
     A chunk starts at a line start and is accepted only if its text occurs nowhere else in the corpus
-    (stdlib files share license headers and copied code), so that neither a canary nor its twin reaches
-    the model through another document.
+    (stdlib files share license headers and copied code) nor in `avoid` (the base model's pretraining text:
+    sibling stdlib files share codec tables), so that neither a canary nor its twin reaches the model through
+    another document.
     """
     blob = "\0".join(d.text for d in docs)
     need = 2 * cfg.number
@@ -160,7 +161,7 @@ def make_document_canaries(cfg: CanaryConfig, tok, docs: list[Document], candida
     for di in rng.permutation(np.asarray(candidates, dtype=np.int64)):
         if len(chosen) == need:
             break
-        chunk = _unique_chunk(docs[int(di)].text, tok, cfg.length, blob, rng)
+        chunk = _unique_chunk(docs[int(di)].text, tok, cfg.length, blob, rng, avoid)
         if chunk is not None:
             chosen.append((int(di), *chunk))
     if len(chosen) < need:
@@ -178,7 +179,8 @@ def make_document_canaries(cfg: CanaryConfig, tok, docs: list[Document], candida
     return canaries, [c[0] for c in chosen]
 
 
-def _unique_chunk(text: str, tok, length: int, blob: str, rng: np.random.Generator, tries: int = 8):
+def _unique_chunk(text: str, tok, length: int, blob: str, rng: np.random.Generator, avoid: str = "",
+                  tries: int = 8):
     starts = [0] + [m.end() for m in re.finditer("\n", text) if m.end() < len(text)]
     for s in rng.choice(np.asarray(starts), size=min(tries, len(starts)), replace=False):
         # ~4 characters per token for code and prose; take generously and cut in tokens.
@@ -188,6 +190,6 @@ def _unique_chunk(text: str, tok, length: int, blob: str, rng: np.random.Generat
         chunk = tok.decode(ids)
         # Once in its own document is expected; a second occurrence (or none, if decoding does not
         # give the source text back) means the chunk is not safely unique.
-        if chunk.strip() and blob.count(chunk) == 1:
+        if chunk.strip() and blob.count(chunk) == 1 and chunk not in avoid:
             return chunk, [int(i) for i in ids]
     return None

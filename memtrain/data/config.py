@@ -88,6 +88,15 @@ class CanaryConfig:
     seed: int | None = None
     """Seed of canary content (which secrets, which documents); None follows train.seed, so a seeds axis draws
     new canaries for every seed. Placement always follows train.seed."""
+    pools: int = 1
+    """Split the documents that may become canaries into this many disjoint pools (a fixed split, the same for
+    every seed); the content seed s draws its document canaries and twins from pool s % pools. Seeds in
+    different pools never share a canary or twin document: settings chosen on one seed stay independent of
+    the seeds they are reported on. Every pool's documents stay out of the training text, for every seed."""
+    unique_against: str | None = None
+    """A corpus (any data.corpus value) that must hold no canary or twin text, e.g. the base model's
+    pretraining documents: a document chunk found there is not used (a chunk must also be unique in the
+    fine-tuning corpus itself)."""
 
     def __post_init__(self):
         self.kinds = list(self.kinds)
@@ -113,5 +122,7 @@ class CanaryConfig:
         if self.random_format not in RANDOM_FORMATS:
             raise ValueError(f"canary.random_format={self.random_format!r} is invalid: "
                              "use 'secret' or 'tokens'")
+        if self.pools < 1:
+            raise ValueError(f"canary.pools={self.pools} is invalid: use >= 1 pool")
         if self.secret_groups < 1:
             raise ValueError(f"canary.secret_groups={self.secret_groups} is invalid: use >= 1 group")

@@ -39,13 +39,14 @@ from memtrain.data.config import CanaryConfig, DataConfig
 from memtrain.data.corpus import load_corpus
 from memtrain.data.tokenizer import encode, load_tokenizer, tokenizer_fingerprint, vocab_size
 from memtrain.files import file_lock, write_atomic
-from memtrain.progress import stage
+from memtrain.progress import quiet, stage
 from memtrain.run_files import MANIFEST
 from parallel import IGNORE_INDEX
 
 FORMAT_VERSION = 1
 PAD = -1  # in T only; batches show padding as EOS inputs with label -100
 _VAL_SEED = 0x5EED_0F_7A1  # fixed: the validation split is shared by every stream seed and canary set
+_POOL_SEED = 0x9001  # fixed: canary pools are the same for every seed
 
 
 class TrainStream:
@@ -124,11 +125,20 @@ class TrainStream:
         trained = len(self) // batch_size * batch_size
         return [c.id for c in self.canaries for p in c.placements if p.seq_index >= trained]
 
-    def val_sequences(self, n_docs: int) -> list[list[int]]:
-        """The first `n_docs` held-out documents as [EOS, *ids], cut to seq_len + 1 tokens (a training row's
-        context and labels)."""
-        return [[self.eos_id, *self.tokenizer(t, add_special_tokens=False)["input_ids"]][:self.seq_len + 1]
-                for t in self.val_texts[:n_docs]]
+    def val_sequences(self, n_docs: int, max_tokens: int) -> list[list[int]]:
+        """Whole held-out documents in rows as training reads text: each of the first `n_docs` as [EOS, *ids]
+        cut into windows of seq_len + 1 tokens that overlap by one, so every token after the opening EOS is
+        predicted once; until `max_tokens` tokens are predicted."""
+        out, total, S = [], 0, self.seq_len
+        for ids in encode(self.tokenizer, self.val_texts[:n_docs]):
+            ids = [self.eos_id, *ids.tolist()]
+            for a in range(0, len(ids) - 1, S):
+                if total >= max_tokens:
+                    return out
+                window = ids[a:a + S + 1][:max_tokens - total + 1]
+                out.append(window)
+                total += len(window) - 1
+        return out
 
     def manifest(self, batch_size: int, data_shards: int = 1) -> list[dict]:
         """Canary records with the step and data-parallel rank of every copy filled in for this grid."""
@@ -230,8 +240,14 @@ def _write_stream(folder: Path, data_cfg: DataConfig, canary_cfg: CanaryConfig, 
         canaries += make_random_canaries(canary_cfg, tok, np.random.default_rng([content_seed, 1]))
     if canary_cfg.number and "document" in canary_cfg.kinds:
         candidates = [i for i in rest if len(docs[i]) >= canary_cfg.length]
+        if canary_cfg.pools > 1:  # disjoint pools, each 1.5x what a seed draws (some have no unique chunk)
+            reserved = np.random.default_rng(_POOL_SEED).permutation(candidates)
+            reserved = reserved[:canary_cfg.pools * 3 * canary_cfg.number]
+            pool = np.array_split(reserved, canary_cfg.pools)[content_seed % canary_cfg.pools]
+            held.update(int(i) for i in reserved)  # every seed trains on the same text: no pool ever is text
+            candidates = sorted(int(i) for i in pool)
         doc_canaries, used = make_document_canaries(canary_cfg, tok, corpus.docs, candidates,
-                                                    np.random.default_rng([content_seed, 2]))
+                                                    np.random.default_rng([content_seed, 2]), _avoid(canary_cfg))
         canaries += doc_canaries
         held.update(used)
     for c in canaries:
@@ -265,6 +281,15 @@ def _write_stream(folder: Path, data_cfg: DataConfig, canary_cfg: CanaryConfig, 
     write_atomic(folder / "meta.json", json.dumps(meta, indent=1).encode())  # last: marks the entry complete
 
 
+
+
+def _avoid(canary_cfg: CanaryConfig) -> str:
+    """The text no canary may come from (canaries.unique_against), as one string."""
+    if canary_cfg.unique_against is None:
+        return ""
+    with quiet():
+        corpus = load_corpus(DataConfig(corpus=canary_cfg.unique_against, txt_sample_by="document"))
+    return "\0".join(d.text for d in corpus.docs)
 
 
 def _place(canaries: list[Canary], n_seq: int, S: int, placement, rng: np.random.Generator) -> None:

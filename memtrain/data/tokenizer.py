@@ -19,7 +19,11 @@ from memtrain.data.corpus import Corpus
 from memtrain.progress import count, stage
 
 EOS = "<|endoftext|>"
-_BPE_VERSION = 1  # bump when the trainer settings below change
+RESERVED = "<|reserved-0|>"
+"""Token id 0 of a trained BPE: a special token no text encodes to. The Goldfish paper's hash ('reference')
+keys a window by the product of its ids, so an id 0 in text (an EOS at id 0, say) would send every window
+holding it to one table entry, dropped or kept together; with id 0 reserved, that hash behaves as in the paper."""
+_BPE_VERSION = 2  # bump when the trainer settings below change
 
 
 def load_tokenizer(cfg: DataConfig, corpus: Corpus) -> PreTrainedTokenizerBase:
@@ -74,7 +78,7 @@ def train_bpe(texts: list[str], vocab_size: int) -> PreTrainedTokenizerFast:
     tk = Tokenizer(models.BPE())
     tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tk.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS], show_progress=False,
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[RESERVED, EOS], show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tk.train_from_iterator(texts, trainer, length=len(texts))
     return _wrap(tk)
@@ -82,7 +86,8 @@ def train_bpe(texts: list[str], vocab_size: int) -> PreTrainedTokenizerFast:
 
 def _wrap(tk) -> PreTrainedTokenizerFast:
     # model_max_length: documents are packed by us, so the "sequence too long" warning is noise.
-    return PreTrainedTokenizerFast(tokenizer_object=tk, eos_token=EOS, model_max_length=1 << 40)
+    return PreTrainedTokenizerFast(tokenizer_object=tk, eos_token=EOS, additional_special_tokens=[RESERVED],
+                                   model_max_length=1 << 40)
 
 
 def _cached_bpe(corpus: Corpus, size: int, cache: Path) -> PreTrainedTokenizerFast:

@@ -202,6 +202,16 @@ def train(cfg: RunConfig, out_dir: str | Path, *, resume: bool = False, force: b
     progress = _progress(grid, start, total)
     tracker = Tracker.start(cfg, out, grid.rank)
     saved_at = _clock()
+
+    def probe(step: int) -> None:
+        """Score the model after `step` steps (a whole number of passes; 0: the starting model)."""
+        scores = {"pass": step // steps_per_epoch, "step": step, **pass_scores(plm, stream, cfg)}
+        if grid.rank == 0:
+            append_jsonl(passes_path, scores)
+            tracker.log({"pass": {k: v for k, v in scores.items() if k != "canaries"}}, step)
+
+    if cfg.eval.every_pass and start == 0:
+        probe(0)
     for step in range(start, total):
         t0 = time.perf_counter()
         batch = stream.batch(step % steps_per_epoch, B)
@@ -229,10 +239,7 @@ def train(cfg: RunConfig, out_dir: str | Path, *, resume: bool = False, force: b
         if on_step is not None:
             on_step(record)
         if cfg.eval.every_pass and (step + 1) % steps_per_epoch == 0:
-            scores = {"pass": (step + 1) // steps_per_epoch, "step": step + 1, **pass_scores(plm, stream, cfg)}
-            if grid.rank == 0:
-                append_jsonl(passes_path, scores)
-                tracker.log({"pass": scores}, step + 1)
+            probe(step + 1)
         by_steps = bool(t.checkpoint_every) and (step + 1) % t.checkpoint_every == 0
         if step + 1 < total and (by_steps or checkpoint_due(grid, saved_at, t.checkpoint_every_min, device)):
             checkpoint.save(out, plm, opt, sched, step + 1, {"config_digest": cfg.digest()})

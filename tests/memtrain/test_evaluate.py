@@ -162,3 +162,21 @@ def test_evaluation_on_the_grid_equals_one_process(buried, tmp_path, degrees, mo
         assert got["val_loss"] == pytest.approx(want["val_loss"], rel=1e-6)
     written = json.loads((tmp_path / "grid" / "eval.json").read_text())
     assert written["exact_count"] == want["exact_count"] and len(list((tmp_path / "grid").iterdir())) == 2
+
+
+def test_a_twin_is_scored_against_candidates_with_its_own_name(buried):
+    """Exposure ranks a secret among alternatives that differ in the digits only: the twin's alternatives carry
+    the twin's name (with the member's, the twin itself is not among them and its exposure is ~0 by
+    construction)."""
+    import numpy as np
+
+    from memtrain.data.canaries import make_random_canaries
+    from memtrain.evaluate import _candidates
+
+    tok = buried.tokenizer
+    for c in make_random_canaries(CanaryConfig(number=3, secret_groups=2), tok, np.random.default_rng(0)):
+        space = c.candidate_space
+        for twin, slots, ids in ((False, space["slots"], c.token_ids), (True, space["twin_slots"], c.twin_token_ids)):
+            fn, size = _candidates(c, tok, twin=twin)
+            assert size == 10**8 and slots["name"] != space["twin_slots" if not twin else "slots"]["name"]
+            assert fn([int(slots["secret"].replace("-", ""))]) == [list(ids)]

@@ -1,10 +1,13 @@
 """Goldfish mask and loss helpers: properties of the hash, equality with the Python reference, sums."""
 
 import math
+import sysconfig
+from pathlib import Path
 
 import pytest
 import torch
 
+from memtrain.data.tokenizer import RESERVED, encode, train_bpe
 from memtrain.losses import (
     IGNORE_INDEX,
     LossConfig,
@@ -14,6 +17,7 @@ from memtrain.losses import (
     keep_mask,
     lm_loss,
     loss_sums,
+    reference_code_drop,
     reference_drop,
     reference_hash,
     token_losses,
@@ -237,3 +241,24 @@ def test_reference_hash_keeps_its_weaknesses():
     assert a[0, -1] == b[0, -1] and a[0, :3].all()
     with pytest.raises(ValueError, match="loss.hash"):
         LossConfig(hash="md5")
+
+
+def test_trained_tokenizer_reserves_id_0_so_the_reference_hash_drops_one_in_k():
+    """The reference hash keys a window by the product of its ids: an id 0 in the text (an EOS at id 0, as the
+    BPE had until id 0 was reserved) makes every window holding it one key, dropped or kept together. The
+    trained BPE's id 0 is a special token no text encodes to; short documents (many EOS) then lose 1 in k of
+    their hashed targets, as in the paper, where mapping the EOS to id 0 changes the rate."""
+    docs = [line for p in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))[:20]
+            for line in p.read_text("utf-8").splitlines() if len(line) > 30]
+    tok = train_bpe(docs, 512)
+    assert tok.convert_ids_to_tokens(0) == RESERVED and 0 in tok.all_special_ids and tok.eos_token_id != 0
+    ids = [t for d in encode(tok, docs) for t in [*d.tolist(), tok.eos_token_id]]
+    assert 0 not in ids and 0 not in tok(RESERVED, split_special_tokens=True)["input_ids"]
+    rows = torch.tensor(ids[:len(ids) // 64 * 64]).view(-1, 64)
+    hashed = torch.zeros_like(rows, dtype=torch.bool)
+    hashed[:, 12:] = True  # the reference hash never drops a row's first h-1 targets
+    n = int(hashed.sum())
+    drops = int((reference_code_drop(rows, 4, 13) & hashed).sum())
+    assert _within_3se(drops, n, 4), drops / n
+    eos_at_0 = torch.where(rows == tok.eos_token_id, 0, rows)
+    assert not _within_3se(int((reference_code_drop(eos_at_0, 4, 13) & hashed).sum()), n, 4)

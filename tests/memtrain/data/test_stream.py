@@ -183,3 +183,29 @@ def test_max_text_tokens_caps_the_ordinary_text(data_cfg):
     text = (some.tokens >= 0).sum() - (only.tokens >= 0).sum()
     assert 450 <= text <= 500  # the cap, minus EOS shared at canary boundaries
     assert 0 < only.unigram_entropy() < some.unigram_entropy() < np.log(only.vocab_size)
+
+
+def test_seeds_in_different_pools_share_no_canary_document_and_train_on_the_same_text(data_cfg):
+    pooled = replace(CANARIES, seed=None, number=1, kinds=["document"], pools=3)
+    streams = [build_stream(data_cfg, pooled, seed=s) for s in range(3)]
+    sources = [{c.source for c in s.canaries} | {c.twin_source for c in s.canaries} for s in streams]
+    assert all(len(x) == 2 for x in sources)
+    assert not (sources[0] & sources[1] or sources[0] & sources[2] or sources[1] & sources[2])
+    texts = [sorted(np.unique(s.tokens[s.tokens >= 0]).tolist()) for s in streams]
+    assert texts[0] == texts[1] == texts[2]  # the same training text, in each seed's own order
+    assert len({s.meta["n_train_docs"] for s in streams}) == 1 and len({s.meta["text_tokens"] for s in streams}) == 1
+    assert texts[0] and streams[0].meta["n_canary_docs"] == 3 * 3 * 1  # every pool is held out for every seed
+    one_pool = build_stream(data_cfg, replace(pooled, pools=1), seed=0)
+    assert one_pool.meta["n_canary_docs"] == 2  # one pool: only the documents drawn are held out
+
+
+def test_a_canary_found_in_the_pretraining_text_is_not_used(data_cfg, tmp_path):
+    cfg = replace(CANARIES, number=2, kinds=["document"])
+    first = build_stream(data_cfg, cfg, seed=5)
+    pretraining = tmp_path / "pretraining"
+    pretraining.mkdir()
+    (pretraining / "copied.txt").write_text("unrelated text\n" + first.canaries[0].text + "\nmore text\n")
+    avoided = build_stream(data_cfg, replace(cfg, unique_against=str(pretraining)), seed=5)
+    texts = {c.text for c in avoided.canaries} | {c.twin_text for c in avoided.canaries}
+    assert first.canaries[0].text not in texts and len(avoided.canaries) == 2
+    assert avoided.key != first.key

@@ -1,6 +1,6 @@
 """Memorization measured after every pass, and where a canary sits in its row not mattering (`memtrain train`).
 
-A tiny model memorizes 16 document canaries over 12 passes of a stream holding little else, scored after every
+A tiny model memorizes 16 document canaries over 16 passes of a stream holding little else, scored after every
 pass (eval.every_pass). One run has every copy at the start of its row; the other buries every copy mid-row
 (placement "random") behind document attention. Checked:
 - passes.jsonl has one line per pass, counts of n = 16, and the rate rises from 0 (the run does memorize);
@@ -30,7 +30,7 @@ def recipe(tmp_path_factory):
 name = "width-64"
 [train]
 batch_size = 2
-epochs = 12
+epochs = 16
 lr = 3e-3
 min_lr = 3e-3
 warmup_steps = 4
@@ -73,14 +73,27 @@ def start(recipe, tmp_path_factory, request):
 
 def test_every_pass_is_scored_and_agrees_with_greedy_extraction(start):
     passes = start["passes"]
-    assert [p["pass"] for p in passes] == list(range(1, 13))
+    assert [p["pass"] for p in passes] == list(range(0, 17))  # pass 0: the starting model, before any step
     assert all(p["members"]["n"] == 16 and p["members"]["cells"]["document/1"]["n"] == 16 for p in passes)
     rates = [p["members"]["exact_match_rate"] for p in passes]
-    assert rates[0] == 0 and rates[-1] >= 0.25, rates  # it memorizes, pass by pass
-    assert all(p["val_loss"] > 0 for p in passes)
+    assert rates[0] == rates[1] == 0 and rates[-1] >= 0.25, rates  # it memorizes, pass by pass
+    assert all(p["val_loss"] > 0 and p["val_tokens"] > 0 for p in passes)
+    assert len({p["val_tokens"] for p in passes}) == 1  # one validation set for the start and every pass
     final = start["eval"]
     assert passes[-1]["members"]["k"] == final["exact_count"]  # the same model, scored two ways
-    assert final["cells"]["document/12"]["n"] == 16  # 1 copy x 12 passes seen
+    assert final["cells"]["document/16"]["n"] == 16  # 1 copy x 16 passes seen
+
+
+def test_members_lose_more_suffix_loss_than_their_never_trained_twins(start):
+    """The probe scores twins beside members, from pass 0 on: the twin-controlled drop is positive once
+    members are trained; under the standard loss no position is dropped."""
+    first, last = start["passes"][0]["canaries"], start["passes"][-1]["canaries"]
+    assert first["id"] == last["id"] and len(first["id"]) == 32 and sum(first["inserted"]) == 16
+    drop = [a - b for a, b in zip(first["suffix_loss"], last["suffix_loss"])]
+    member = [d for d, m in zip(drop, first["inserted"]) if m]
+    twin = [d for d, m in zip(drop, first["inserted"]) if not m]
+    assert sum(member) / 16 > sum(twin) / 16 + 1.0, (member, twin)
+    assert all(v is None for v in last["suffix_loss_dropped"]) and last["suffix_loss_kept"] == last["suffix_loss"]
 
 
 def test_buried_canaries_behind_document_attention_are_memorized_alike(start, recipe, tmp_path):
