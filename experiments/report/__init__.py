@@ -10,10 +10,13 @@ Seeds are pooled: exact-match rates are counts over canaries x seeds with 95% Wi
 The modules, each importing only those below it (and experiments.results, memtrain; never experiments.sweep,
 never torch: `memtrain plot` starts fast):
 
-    markdown   report.md: its sections and tables
-    figures    the PNG figures (matplotlib, imported when drawing)
-    aggregate  from records to the numbers shown: pooled rates, per-pass curves, passes to 50%, costs
-    stats      Wilson intervals, passes to a threshold, the log-log power law
+    single_pass_view  a one-pass sweep's summary, tables and figures (PNG, PDF, SVG, CSV)
+    markdown          report.md: its sections and tables
+    figures           the PNG figures (matplotlib, imported when drawing)
+    single_pass       one exposure (twin-controlled loss drop) and the dose-response over copies in one pass
+    aggregate         from records to the numbers shown: pooled rates, per-pass curves, passes to 50%, costs
+    crossing          threshold crossings with censoring, cluster-bootstrap intervals, power laws, bands
+    stats             Wilson intervals, passes to a threshold, the log-log power law
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from experiments.results import RESULTS, latest_by_point
 from memtrain.commandline import ArgumentParser, fail
 from memtrain.files import read_jsonl
 
+from . import single_pass, single_pass_view
 from .figures import draw_figures
 from .markdown import table_rows, write_markdown
 
@@ -41,7 +45,11 @@ def build_report(results: str | Path, out: str | Path | None = None) -> dict:
     if not rows:
         raise ValueError(f"{str(results)!r} holds no results yet")
     figs = draw_figures(rows, out / "figures")
-    md = write_markdown(rows, figs, out)
+    lead = []
+    if single_pass.applies(rows):  # a one-pass sweep: its own figures and summary lead the report
+        figs = single_pass_view.draw(rows, out / "figures") + figs
+        lead = single_pass_view.section(rows)
+    md = write_markdown(rows, figs, out, lead)
     return {"report": md, "figures_dir": out / "figures", "figures": figs, "table": table_rows(rows),
             "runs": len(rows)}
 

@@ -122,13 +122,14 @@ def fig_exact_by_copies(rows, labels, path: Path) -> Path:
         if any(data.values()):
             _plot_series(ax, data, labels)
             _size_axis(ax, data)
-        ax.set_title(f"{c} cop{'y' if c == '1' else 'ies'}", fontsize=10)
+        ax.set_title(f"{c} cop{'y' if c == '1' else 'ies'} seen", fontsize=10)
         ax.set_ylim(-0.03, 1.03)
     axes[0][0].set_ylabel("exact-match rate")
     handles, names = axes[0][0].get_legend_handles_labels()
     if handles:
         axes[0][-1].legend(handles, names, fontsize=7)
-    fig.suptitle("Exact match vs model size, by copies of the canary in the training pass", fontsize=10)
+    fig.suptitle("Exact match vs model size, by copies of the canary seen in training (copies per pass x passes)",
+                 fontsize=10)
     return _save(fig, path)
 
 
@@ -223,10 +224,10 @@ def fig_exposure(rows, labels, path: Path) -> Path:
             ax.set_xticks(ticks)
             ax.set_xticklabels([f"{t:g}" for t in ticks])
             ax.minorticks_off()
-        ax.set_xlabel("copies in the training pass")
+        ax.set_xlabel("copies seen in training (copies per pass x passes)")
         ax.set_title(loss, fontsize=10)
         ax.grid(True, which="both", alpha=0.3)
-    axes[0][0].set_ylabel("mean exposure (bits)")
+    axes[0][0].set_ylabel("mean exposure, estimated (bits)")
     if drawn:
         axes[0][-1].legend(fontsize=7, title="model", title_fontsize=7)
     else:
@@ -382,7 +383,7 @@ def draw_figures(rows: list[dict], fig_dir: Path) -> list[Path]:
                     "validation loss (nats/token)", "Utility: validation loss vs model size"),
         fig_by_loss(rows, labels, fig_dir / "metrics_by_loss.png"),
     ]
-    if any(r.get("passes") for r in rows):
+    if any(len(r.get("passes") or []) > 2 for r in rows):  # pass 0 and one pass: nothing to draw over passes
         kinds = sorted({key.split("/")[0] for r in rows for p in r.get("passes") or []
                         for key in ((p.get("members") or {}).get("cells") or {})})
         for kind in [None, *kinds] if len(kinds) > 1 else [None]:

@@ -33,8 +33,8 @@ from .aggregate import (
 ANCHORS = [
     "Goldfish paper (Hans et al., NeurIPS'24), extreme setting: Llama-2-7B trained 100 epochs on 100 Wikipedia "
     "documents memorizes 84/100 exactly with the standard loss, 0/100 with Goldfish k=4 (50-token suffix).",
-    "SC'24 AxoNN paper (Singh et al.): after a single pass of fine-tuning, verbatim memorization appears as models "
-    "grow (around 70B for Llama 3.1, strong at 405B) and the Goldfish loss prevents it.",
+    "SC'24 AxoNN paper (Singh et al.), as its abstract states it: models sufficiently large memorize their training "
+    "data in a single pass (\"catastrophic memorization\"). Its per-size figures are not quoted here.",
 ]
 
 
@@ -77,14 +77,14 @@ def table_rows(rows: list[dict]) -> list[dict]:
 
 def _passes_section(rows: list[dict], kind: str | None) -> list[str]:
     data = curves(rows, kind)
-    if not any(data.values()):
+    n_pass = max((pt[0] for by_model in data.values() for c in by_model.values() for pt in c["passes"]), default=0)
+    if n_pass < 2:  # pass 0 (the start) and one pass: the single-pass section tells it
         return []
     what = f"{kind} canaries" if kind else "all inserted canaries"
     lines = [f"## Memorization vs passes: {what}", "",
              f"Exact match after p passes [95% Wilson interval] (k/n, pooled over seeds); passes to "
              f"{THRESHOLD:.0%}: where the rate crosses it, interpolated between the passes around the crossing.", ""]
     for loss, by_model in data.items():
-        n_pass = max(len(c["passes"]) for c in by_model.values())
         show = sorted({1, max(1, n_pass // 4), max(1, n_pass // 2), max(1, 3 * n_pass // 4), n_pass})
         table = []
         for model, c in by_model.items():
@@ -150,7 +150,8 @@ def _lr_section(rows: list[dict]) -> list[str]:
     return lines + _table(["model", "params", "best scale", "best lr", "within 2x"], "lrrrl", table) + [""]
 
 
-def write_markdown(rows: list[dict], figs: list[Path], out: Path) -> Path:
+def write_markdown(rows: list[dict], figs: list[Path], out: Path, lead: list[str] = ()) -> Path:
+    """report.md: the header, `lead` (a study's own summary and tables), then the sections every sweep has."""
     name = next((r.get("sweep") for r in rows if r.get("sweep")), out.name)
     ok = ok_rows(rows)
     failed = [r for r in rows if r.get("status") != "ok"]
@@ -159,7 +160,7 @@ def write_markdown(rows: list[dict], figs: list[Path], out: Path) -> Path:
              f"{len(rows)} run(s): {len(ok)} ok, {len(failed)} failed; precision {', '.join(precisions) or '-'}. "
              "Metrics are over the inserted canaries (exact match, ROUGE-L: greedy suffix extraction; exposure: "
              "random canaries; MIA AUC: loss attack, inserted canaries vs their never-trained twins; val loss: "
-             "held-out documents).", ""]
+             "held-out documents).", "", *lead]
     kinds = sorted({key.split("/")[0] for r in ok for key in ((r.get("eval") or {}).get("cells") or {})})
     for kind in [None, *kinds] if len(kinds) > 1 else [None]:
         lines += _passes_section(rows, kind)
@@ -182,7 +183,9 @@ def write_markdown(rows: list[dict], figs: list[Path], out: Path) -> Path:
                     hit = [q for q in by_block[c].get(loss, []) if q[4] == p[4]]
                     cells.append(_rate((hit[0][1], hit[0][2], hit[0][3], hit[0][5], hit[0][6])) if hit else "-")
                 table.append([loss, p[4], *cells])
-        lines += ["", "## Exact match by copies seen", "", "Pooled over seeds: rate [95% Wilson interval] (k/n).", "",
+        lines += ["", "## Exact match by copies seen", "",
+                  "Copies seen in training: copies per pass x passes. Pooled over seeds: rate [95% Wilson interval] "
+                  "(k/n).", "",
                   *_table(["loss", "model", *(f"{c}x" for c in copies)], "ll" + "r" * len(copies), table)]
     lines += ["", *_base_section(rows), *_cost_section(rows), *_lr_section(rows)]
     in_row = [r for r in ok if (r.get("eval") or {}).get("in_row")]

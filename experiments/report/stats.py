@@ -39,8 +39,10 @@ def loglog_fit(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float] 
 
 
 def solve_loglog(fit: tuple[float, float], y: float) -> float | None:
-    """The x at which the fitted line reaches y (None for a flat fit)."""
+    """The x at which the fitted line reaches y (None for a flat fit, or a near-flat one whose answer lies off
+    every scale: 10 ** 1e9 would overflow)."""
     slope, intercept = fit
     if slope == 0:
         return None
-    return 10 ** ((math.log10(y) - intercept) / slope)
+    log_x = (math.log10(y) - intercept) / slope
+    return 10 ** log_x if abs(log_x) <= 300 else None

@@ -163,6 +163,11 @@ class BaseModels:
                 corpus_fp = "disjoint:" + folder.parent.name
         return corpus_value, str(tok_value) if tok_value else None, corpus_fp, tokenizer_fingerprint(tok)
 
+    def pretraining_corpus(self, cfg: RunConfig) -> str | None:
+        """The corpus a base model of `cfg` is pretrained on, as a data.corpus value; None when it is the
+        fine-tuning corpus itself (pretrain.corpus = 'same')."""
+        return self._prepare(cfg)[0]
+
     def config_for(self, cfg: RunConfig) -> tuple[RunConfig, Path]:
         corpus_value, tok_value, corpus_fp, tok_fp = self._prepare(cfg)
         max_docs = self.pre.max_docs if self.pre.corpus not in ("same", "disjoint") else None

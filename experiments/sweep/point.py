@@ -74,6 +74,9 @@ class PointLife:
                 self.finish(self.record(p, run_dir, None, "failed", str(e), started, time.time() - t0))
                 return None
             p.cfg.model.init = str(base_dir)
+            if p.cfg.canaries.unique_against is None and "document" in p.cfg.canaries.kinds:
+                # a canary or twin the base model read in pretraining would not test memorization of the pass
+                p.cfg.canaries.unique_against = self.bases.pretraining_corpus(p.cfg)
         started, t0 = now(), time.time()  # the run's own time, without building its base model
         resumed = claim_run_dir(run_dir, p.cfg, self.resume)
         return Launch(p, run_dir, base_dir, self.prefix + train_tail(run_dir, resumed), resumed, started, t0)

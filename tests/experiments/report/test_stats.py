@@ -26,6 +26,7 @@ def test_power_law_fit_and_its_extrapolation():
     assert solve_loglog((slope, intercept), 1.0) == pytest.approx(1e5 * 40 ** 2)
     assert loglog_fit([1e5], [3]) is None and loglog_fit([1e5, 1e5], [3, 4]) is None
     assert math.isclose(solve_loglog((0.0, 1.0), 1.0) or 0, 0)  # a flat fit never reaches one pass
+    assert solve_loglog((-1e-9, 1.0), 1.0) is None  # near-flat: 10 ** 1e9, no OverflowError
 
 
 def test_first_pass_reaching_a_threshold():

@@ -1,0 +1,184 @@
+"""Where a dose-response curve crosses a threshold, with intervals that include run-to-run variance.
+
+A dose is what a canary was given: copies inside one pass, or passes. For each model size the memorized share
+(exact match) is read at every dose, made monotone (isotonic regression weighted by the canaries at each dose:
+more copies cannot make memorization less likely, so a dip is noise), and the dose at which it first reaches the
+threshold is interpolated between the two doses around it (in log2 dose for copies, which double from level to
+level). A curve that never reaches the threshold is right-censored: its crossing is only known to lie above the
+largest dose (a lower bound). One already at the threshold at the smallest dose is left-censored (an upper bound).
+
+Intervals come from a cluster bootstrap: resample the seeds (each a whole run: its canaries, rows and order), and
+inside each drawn seed its canaries, stratified by dose; a canary keeps its results at every size, so sizes stay
+paired. A bound is never turned into a number: a percentile that falls on a censored replicate is reported as
+unbounded on that side, and an extrapolation whose interval is unbounded prints no number.
+
+Nothing here needs torch: the report is drawn from results.jsonl alone.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+Unit = dict
+"""One canary of one seed: {"seed", "id", "dose", and per size key the canary's 0/1 (or float) outcome}."""
+
+
+def monotone(doses: Sequence[float], rates: Sequence[float], weights: Sequence[float]) -> list[float]:
+    """Non-decreasing least-squares fit of rates over increasing doses (pool adjacent violators)."""
+    blocks: list[list[float]] = []  # [weighted mean, weight, count]
+    for r, w in zip(rates, weights):
+        blocks.append([r, w, 1])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            (r1, w1, c1), (r2, w2, c2) = blocks.pop(-2), blocks.pop()
+            w = w1 + w2
+            blocks.append([(r1 * w1 + r2 * w2) / w if w else (r1 + r2) / 2, w, c1 + c2])
+    return [b[0] for b in blocks for _ in range(b[2])]
+
+
+@dataclass(frozen=True)
+class Crossing:
+    """The dose at which a curve reaches a threshold: `value`, or for a censored curve only a bound."""
+
+    value: float | None
+    above: float | None = None
+    """Right-censored: the crossing lies above this dose (the largest measured)."""
+    below: float | None = None
+    """Left-censored: the crossing lies at or below this dose (the smallest measured)."""
+
+    def as_number(self) -> float:
+        """For percentiles: +inf above the measured range, -inf below it."""
+        if self.value is not None:
+            return self.value
+        return math.inf if self.above is not None else -math.inf
+
+    def label(self, fmt: str = "{:.3g}") -> str:
+        if self.value is not None:
+            return fmt.format(self.value)
+        return f"> {fmt.format(self.above)}" if self.above is not None else f"<= {fmt.format(self.below)}"
+
+
+def crossing(cells: Sequence[tuple[float, float, float]], threshold: float, log: bool = True) -> Crossing:
+    """Crossing of `threshold` by the monotone fit of [(dose, k, n)] (doses > 0 when `log`)."""
+    cells = sorted((d, k, n) for d, k, n in cells if n > 0)
+    if not cells:
+        raise ValueError("no dose has any canary")
+    doses = [d for d, _, _ in cells]
+    fit = monotone(doses, [k / n for _, k, n in cells], [n for _, _, n in cells])
+    if fit[0] >= threshold:
+        return Crossing(None, below=doses[0])
+    for (d0, r0), (d1, r1) in zip(zip(doses, fit), zip(doses[1:], fit[1:])):
+        if r1 >= threshold:
+            x0, x1 = (math.log2(d0), math.log2(d1)) if log else (d0, d1)
+            x = x0 + (threshold - r0) / (r1 - r0) * (x1 - x0)
+            return Crossing(2 ** x if log else x)
+    return Crossing(None, above=doses[-1])
+
+
+def cells_of(units: Sequence[Unit], key: str) -> list[tuple[float, float, int]]:
+    """[(dose, k, n)] of one size's outcomes over `units`."""
+    by_dose: dict = defaultdict(lambda: [0.0, 0])
+    for u in units:
+        if u.get(key) is not None:
+            by_dose[u["dose"]][0] += float(u[key])
+            by_dose[u["dose"]][1] += 1
+    return [(d, k, n) for d, (k, n) in sorted(by_dose.items())]
+
+
+def cluster_resamples(units: Sequence[Unit], n_boot: int = 1000, seed: int = 0):
+    """Yield `n_boot` bootstrap samples of `units`: seeds drawn with replacement, then within each drawn seed
+    its canaries drawn with replacement at each dose (stratified, so every dose keeps its count)."""
+    by_seed: dict = defaultdict(lambda: defaultdict(list))
+    for u in units:
+        by_seed[u["seed"]][u["dose"]].append(u)
+    seeds = sorted(by_seed)
+    rng = np.random.default_rng(seed)
+    for _ in range(n_boot):
+        sample = []
+        for s in rng.choice(len(seeds), size=len(seeds)):
+            for group in by_seed[seeds[int(s)]].values():
+                sample.extend(group[int(i)] for i in rng.integers(0, len(group), size=len(group)))
+        yield sample
+
+
+def percentile_interval(values: Sequence[float], level: float = 0.95) -> tuple[float, float]:
+    """Equal-tailed percentile interval; a tail that lands on +-inf stays infinite (unbounded)."""
+    v = np.sort(np.asarray(values, dtype=float))
+    lo_i = int(math.floor((1 - level) / 2 * (len(v) - 1)))
+    hi_i = int(math.ceil((1 + level) / 2 * (len(v) - 1)))
+    return float(v[lo_i]), float(v[hi_i])
+
+
+def bootstrap(units: Sequence[Unit], stat: Callable[[Sequence[Unit]], float], n_boot: int = 1000,
+              seed: int = 0) -> tuple[float, float]:
+    """95% cluster-bootstrap interval of `stat` (a statistic of a sample of units; +-inf for a bound)."""
+    return percentile_interval([stat(s) for s in cluster_resamples(units, n_boot, seed)])
+
+
+def loglog_slope(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float] | None:
+    """Least squares of log10 y on log10 x: (slope, intercept); None unless every point is finite and > 0 and
+    there are two distinct x."""
+    if any(not (math.isfinite(v) and v > 0) for v in (*xs, *ys)) or len(set(xs)) < 2:
+        return None
+    lx, ly = np.log10(xs), np.log10(ys)
+    slope, intercept = np.polyfit(lx, ly, 1)
+    return float(slope), float(intercept)
+
+
+def solve_for_x(fit: tuple[float, float] | None, y: float, max_log10: float = 300.0) -> float:
+    """The x at which log10 y = slope log10 x + intercept reaches `y`: +inf when it never does within
+    10^max_log10 (a flat or rising fit, or one so shallow that the answer is off any scale) or for no fit."""
+    if fit is None:
+        return math.inf
+    slope, intercept = fit
+    if slope >= 0:
+        return math.inf
+    log_x = (math.log10(y) - intercept) / slope
+    return 10 ** log_x if abs(log_x) <= max_log10 else math.inf
+
+
+def size_trend(units: Sequence[Unit], sizes: dict[str, float], threshold: float, log: bool = True,
+               n_boot: int = 1000, seed: int = 0) -> dict:
+    """Per size its crossing (point estimate and cluster-bootstrap interval); across sizes the power law of
+    crossing vs parameters and the size at which it reaches a dose of 1 (one copy, or one pass), each with its
+    interval. `sizes`: outcome key -> parameters."""
+    def crossings(sample):
+        return {key: crossing(cells_of(sample, key), threshold, log) for key in sizes}
+
+    def fit_of(cr):
+        keys = list(sizes)
+        return loglog_slope([sizes[k] for k in keys], [cr[k].as_number() for k in keys])
+
+    point = crossings(units)
+    reps = [crossings(s) for s in cluster_resamples(units, n_boot, seed)]
+    slopes = [(f[0] if (f := fit_of(cr)) else math.nan) for cr in reps]
+    finite = [s for s in slopes if math.isfinite(s)]
+    unbounded = len(slopes) - len(finite)
+    # a replicate with a censored size bounds the slope without giving it: report a side only while such
+    # replicates fit in that side's 2.5% tail (both sides, since the direction of a bound is unknown)
+    slope_ci = percentile_interval(finite) if finite and unbounded <= 0.025 * len(slopes) else (-math.inf, math.inf)
+    one = [solve_for_x(fit_of(cr), 1.0) for cr in reps]
+    fit = fit_of(point)
+    return {
+        "threshold": threshold,
+        "sizes": {k: {"params": sizes[k], "crossing": point[k],
+                      "interval": percentile_interval([cr[k].as_number() for cr in reps])} for k in sizes},
+        "slope": fit[0] if fit else None, "slope_interval": slope_ci, "replicates_censored": unbounded,
+        "dose_one_params": solve_for_x(fit, 1.0) if fit else math.inf,
+        "dose_one_interval": percentile_interval(one),
+    }
+
+
+def extrapolation_band(units: Sequence[Unit], sizes: dict[str, float], thresholds: Sequence[float] = (0.2, 0.5, 0.7),
+                       log: bool = True, n_boot: int = 1000, seed: int = 0) -> dict:
+    """The size that would reach each threshold at a dose of 1, over thresholds: the band from the lowest lower
+    bound to the highest upper bound of their intervals. Unbounded (None) when any is."""
+    per = {t: size_trend(units, sizes, t, log, n_boot, seed) for t in thresholds}
+    lows = [p["dose_one_interval"][0] for p in per.values()]
+    highs = [p["dose_one_interval"][1] for p in per.values()]
+    bounded = all(math.isfinite(v) and v > 0 for v in (*lows, *highs))
+    return {"per_threshold": per, "band": (min(lows), max(highs)) if bounded else None}

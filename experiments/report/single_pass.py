@@ -1,0 +1,139 @@
+"""The single-pass study: what one pass over the fine-tuning data leaves memorized, by size and by copies.
+
+Figure 1 (one exposure): for the canaries a run saw exactly once, the twin-controlled suffix-loss drop: a member's
+suffix loss at pass 0 (the base model, before any step) minus after the pass, less the same drop of its
+never-trained twin, in nats per token. The twin removes what the run learned about text like the canary in
+general; what is left is memorization of that canary. Under a Goldfish loss the drop is also split into the
+positions the loss drops and those it keeps. Exact match of the same canaries sits beside it (k/n, Wilson).
+
+Figure 2 (dose-response within one pass): exact match vs copies seen in the pass, copy 0 being the base model;
+per size, the copies needed to reach 50% (monotone fit, crossing.py), with cluster-bootstrap intervals over
+seeds and canaries and censored sizes shown as bounds.
+
+Every interval here resamples whole seeds and the canaries inside them (crossing.cluster_resamples), so
+run-to-run variance is in it. Nothing here needs torch.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+
+import numpy as np
+
+from .aggregate import f, loss_of, loss_order, ok_rows
+from .crossing import bootstrap, cells_of, extrapolation_band, size_trend
+from .stats import wilson
+
+N_BOOT = 1000
+
+
+def _first_pass(r: dict) -> tuple[dict, dict] | None:
+    """The canary columns of pass 0 and pass 1 of a run, when its probe scored both."""
+    by_pass = {p.get("pass"): p.get("canaries") for p in r.get("passes") or []}
+    if by_pass.get(0) and by_pass.get(1):
+        return by_pass[0], by_pass[1]
+    return None
+
+
+def _drops(before: dict, after: dict, key: str) -> dict[str, float]:
+    """Per member id: its suffix-loss drop (column `key`) minus its twin's, where both are measured."""
+    drop = {}
+    for i, cid in enumerate(before["id"]):
+        a, b = before[key][i], after[key][i]
+        if a is not None and b is not None:
+            drop[cid] = a - b
+    return {cid: d - drop[cid + "-twin"] for cid, d in drop.items()
+            if not cid.endswith("-twin") and cid + "-twin" in drop}
+
+
+def units(rows: list[dict], loss: str) -> tuple[list[dict], dict[str, float]]:
+    """One unit per (seed, canary) of the runs with this loss: its copies seen ("dose"), and per model its exact
+    match ("<model>") and twin-controlled drops ("<model>/drop", "/drop_dropped", "/drop_kept"). And the models'
+    parameters."""
+    table: dict = {}
+    sizes: dict[str, float] = {}
+    for r in ok_rows(rows):
+        if loss_of(r) != loss:
+            continue
+        model, seed = str(r.get("model")), r.get("seed")
+        sizes[model] = f(r.get("params")) or 0.0
+        for c in r.get("canaries") or []:
+            if c.get("inserted") and c.get("exact_match") is not None:
+                u = table.setdefault((seed, c["id"]), {"seed": seed, "id": c["id"], "dose": c["copies"]})
+                u[model] = float(bool(c["exact_match"]))
+        pair = _first_pass(r)
+        if pair:
+            for suffix, key in (("drop", "suffix_loss"), ("drop_dropped", "suffix_loss_dropped"),
+                                ("drop_kept", "suffix_loss_kept")):
+                for cid, d in _drops(*pair, key).items():
+                    if (seed, cid) in table:
+                        table[(seed, cid)][f"{model}/{suffix}"] = d
+    return list(table.values()), dict(sorted(sizes.items(), key=lambda kv: kv[1]))
+
+
+def _mean_of(key: str):
+    def stat(sample):
+        vals = [u[key] for u in sample if u.get(key) is not None]
+        return float(np.mean(vals)) if vals else math.nan
+    return stat
+
+
+def one_exposure(rows: list[dict]) -> list[dict]:
+    """Figure 1's numbers: per (loss, model), over the canaries seen once, exact match k/n with its Wilson
+    interval and the mean twin-controlled drop (all positions; Goldfish also dropped and kept) with its
+    cluster-bootstrap interval."""
+    out = []
+    for loss in sorted({loss_of(r) for r in ok_rows(rows)}, key=loss_order):
+        us, sizes = units(rows, loss)
+        once = [u for u in us if u["dose"] == 1]
+        for model, params in sizes.items():
+            exact = [u[model] for u in once if u.get(model) is not None]
+            row = {"loss": loss, "model": model, "params": params, "k": int(sum(exact)), "n": len(exact),
+                   "exact": wilson(int(sum(exact)), len(exact)), "seeds": len({u["seed"] for u in once})}
+            for part in ("drop", "drop_dropped", "drop_kept"):
+                key = f"{model}/{part}"
+                vals = [u[key] for u in once if u.get(key) is not None]
+                row[part] = (float(np.mean(vals)), *bootstrap(once, _mean_of(key), N_BOOT)) if vals else None
+            out.append(row)
+    return out
+
+
+def dose_response(rows: list[dict]) -> dict[str, dict]:
+    """Figure 2's numbers per loss: exact match per (model, copies) with Wilson intervals (copy 0: the base
+    model at pass 0), and the size trend of copies to 50% (crossing.size_trend) with the extrapolation band
+    over thresholds 20-70%."""
+    out = {}
+    for loss in sorted({loss_of(r) for r in ok_rows(rows)}, key=loss_order):
+        us, sizes = units(rows, loss)
+        if len({u["dose"] for u in us}) < 2 or not sizes:
+            continue
+        curves = {m: [(d, k / n, *wilson(int(k), n), int(k), n) for d, k, n in cells_of(us, m)] for m in sizes}
+        base = _base_exact(rows, loss)
+        for m in curves:
+            if m in base:
+                curves[m].insert(0, (0, base[m][0] / base[m][1], *wilson(*base[m]), *base[m]))
+        trend = size_trend(us, sizes, 0.5, n_boot=N_BOOT) if len(sizes) >= 2 else None
+        band = extrapolation_band(us, sizes, n_boot=N_BOOT // 4) if len(sizes) >= 2 else None
+        out[loss] = {"curves": curves, "sizes": sizes, "trend": trend, "band": band}
+    return out
+
+
+def _base_exact(rows: list[dict], loss: str) -> dict[str, tuple[int, int]]:
+    """Per model, exact matches of the members at pass 0 (the base model), pooled over seeds."""
+    acc: dict = defaultdict(lambda: [0, 0])
+    for r in ok_rows(rows):
+        pair = _first_pass(r) if loss_of(r) == loss else None
+        if pair:
+            before = pair[0]
+            for i, member in enumerate(before["inserted"]):
+                if member:
+                    acc[str(r.get("model"))][0] += int(bool(before["exact"][i]))
+                    acc[str(r.get("model"))][1] += 1
+    return {m: (k, n) for m, (k, n) in acc.items()}
+
+
+def applies(rows: list[dict]) -> bool:
+    """A single-pass sweep: its runs trained one pass and their probe scored pass 0 and pass 1."""
+    ok = ok_rows(rows)
+    return bool(ok) and all(_first_pass(r) and len(r.get("passes") or []) == 2 for r in ok)

@@ -1,0 +1,111 @@
+"""Threshold crossings with censoring and cluster-bootstrap intervals, against answers worked out by hand."""
+
+import math
+
+import numpy as np
+import pytest
+
+from experiments.report.crossing import (
+    Crossing,
+    bootstrap,
+    cells_of,
+    cluster_resamples,
+    crossing,
+    extrapolation_band,
+    loglog_slope,
+    monotone,
+    percentile_interval,
+    size_trend,
+    solve_for_x,
+)
+
+
+def test_monotone_pools_a_dip_with_its_neighbour_by_weight():
+    assert monotone([1, 2, 4], [0.2, 0.6, 0.4], [10, 10, 10]) == pytest.approx([0.2, 0.5, 0.5])
+    assert monotone([1, 2, 4], [0.2, 0.6, 0.3], [10, 10, 30]) == pytest.approx([0.2, 0.375, 0.375])
+    assert monotone([1, 2], [0.1, 0.9], [1, 1]) == [0.1, 0.9]  # already monotone: unchanged
+
+
+def test_crossing_interpolates_in_log_dose_and_censors_at_both_ends():
+    # 0.25 at 4 copies, 0.75 at 16: halfway in log2 between them is 8 copies
+    assert crossing([(4, 1, 4), (16, 3, 4)], 0.5).value == pytest.approx(8.0)
+    assert crossing([(4, 1, 4), (16, 3, 4)], 0.5, log=False).value == pytest.approx(10.0)
+    right = crossing([(1, 0, 8), (32, 3, 8)], 0.5)
+    assert right.value is None and right.above == 32 and right.as_number() == math.inf and right.label() == "> 32"
+    left = crossing([(1, 5, 8), (2, 8, 8)], 0.5)
+    assert left.value is None and left.below == 1 and left.as_number() == -math.inf and left.label() == "<= 1"
+    # a dip (0.6 then 0.4) is noise: pooled to 0.5 at doses 2 and 4, the fit reaches 0.5 at dose 2 (raw rates
+    # would cross between 1 and 2); with 0.55 asked, the pooled 0.5 is passed over and 4 -> 8 is interpolated
+    assert crossing([(1, 2, 10), (2, 6, 10), (4, 4, 10), (8, 9, 10)], 0.5).value == pytest.approx(2.0)
+    assert crossing([(1, 2, 10), (2, 6, 10), (4, 4, 10), (8, 9, 10)], 0.55).value == pytest.approx(2 ** 2.125)
+    with pytest.raises(ValueError):
+        crossing([(1, 0, 0)], 0.5)
+
+
+def _units(rates: dict[str, dict[int, float]], seeds=(1, 2, 3), per_dose=10, seed=0):
+    """Canaries whose outcome at each size is drawn with the given rate per dose."""
+    rng = np.random.default_rng(seed)
+    units = []
+    for s in seeds:
+        for dose in next(iter(rates.values())):
+            for i in range(per_dose):
+                u = {"seed": s, "id": f"{dose}-{i}", "dose": dose}
+                for key, by_dose in rates.items():
+                    u[key] = float(rng.random() < by_dose[dose])
+                units.append(u)
+    return units
+
+
+def test_cluster_resamples_draw_whole_seeds_and_keep_every_dose_count():
+    units = _units({"a": {1: 0.5, 4: 0.5}}, seeds=(1, 2), per_dose=3)
+    for sample in cluster_resamples(units, n_boot=20, seed=1):
+        assert len(sample) == len(units)
+        for s in {u["seed"] for u in sample}:
+            doses = [u["dose"] for u in sample if u["seed"] == s]
+            assert doses.count(1) % 3 == 0 and doses.count(4) % 3 == 0  # a drawn seed brings 3 per dose
+    assert cells_of(units, "a")[0][0] == 1 and cells_of(units, "a")[0][2] == 6
+
+
+def test_bootstrap_interval_covers_the_rate_and_widens_with_seed_variance():
+    same = [{"seed": s, "dose": 1, "id": i, "y": float(i < 5)} for s in range(4) for i in range(10)]
+    varied = [{"seed": s, "dose": 1, "id": i, "y": float(i < 2 + 2 * s)} for s in range(4) for i in range(10)]
+    rate = lambda sample: float(np.mean([u["y"] for u in sample]))  # noqa: E731
+    lo, hi = bootstrap(same, rate, n_boot=400)
+    lo2, hi2 = bootstrap(varied, rate, n_boot=400)
+    assert lo < 0.5 < hi and lo2 < 0.5 < hi2
+    assert hi2 - lo2 > hi - lo  # run-to-run variance enters the interval
+
+
+def test_percentile_interval_keeps_an_infinite_tail_unbounded():
+    assert percentile_interval([1.0] * 90 + [math.inf] * 10) == (1.0, math.inf)
+    assert percentile_interval(list(range(101))) == (2.0, 98.0)
+
+
+def test_power_law_solve_is_robust_to_flat_and_rising_fits():
+    fit = loglog_slope([1e5, 1e6, 1e7], [16, 4, 1])  # copies to threshold fall 4x per decade
+    assert fit[0] == pytest.approx(-math.log10(4))
+    assert solve_for_x(fit, 1.0) == pytest.approx(1e7)
+    assert solve_for_x((-1e-9, 5.0), 1.0) == math.inf  # near-flat: 10^(5e9), off every scale, no overflow
+    assert solve_for_x((0.3, 1.0), 1.0) == math.inf and solve_for_x(None, 1.0) == math.inf
+    assert loglog_slope([1e5, 1e6], [math.inf, 2]) is None and loglog_slope([1e5, 1e5], [2, 3]) is None
+
+
+def test_size_trend_known_answer_and_censored_sizes():
+    doses = (1, 2, 4, 8, 16, 32)
+    # small needs ~16 copies for 50%, large ~2; "flat" never reaches 50% (right-censored)
+    small = {d: min(1.0, 0.5 * d / 16) for d in doses}
+    large = {d: min(1.0, 0.5 * d / 2) for d in doses}
+    flat = {d: 0.05 for d in doses}
+    units = _units({"small": small, "large": large, "flat": flat}, per_dose=40)
+    trend = size_trend(units, {"small": 1e5, "large": 1e6}, 0.5, n_boot=200)
+    assert 8 < trend["sizes"]["small"]["crossing"].value < 32 and 1 < trend["sizes"]["large"]["crossing"].value < 4
+    lo, hi = trend["sizes"]["small"]["interval"]
+    assert lo < trend["sizes"]["small"]["crossing"].value < hi
+    assert trend["slope_interval"][1] < 0  # copies to 50% fall with size, interval excludes 0
+    assert 1e6 < trend["dose_one_params"] < 1e8
+    censored = size_trend(units, {"small": 1e5, "flat": 1e6}, 0.5, n_boot=200)
+    assert censored["sizes"]["flat"]["crossing"] == Crossing(None, above=32)
+    assert censored["sizes"]["flat"]["interval"][1] == math.inf
+    assert censored["slope_interval"] == (-math.inf, math.inf) and censored["dose_one_params"] == math.inf
+    band = extrapolation_band(units, {"small": 1e5, "flat": 1e6}, n_boot=50)
+    assert band["band"] is None  # unbounded: no number to print

@@ -1,0 +1,82 @@
+"""The single-pass study's numbers from hand-made result records whose answers are known."""
+
+import math
+
+import pytest
+
+from experiments.report import build_report, single_pass
+from experiments.report.single_pass import dose_response, one_exposure, units
+
+COPIES = (1, 2, 4, 8, 16, 32)
+
+
+def _record(model: str, params: float, loss: str, seed: int, rate_at, drop: float) -> dict:
+    """A finished one-pass run: 4 canaries per copies level, round(4 rate_at(copies)) of them exact; a member's
+    suffix loss falls by `drop` + 0.1 over the pass, its twin's by 0.1 (so the twin-controlled drop is `drop`)."""
+    ids, canaries = [], []
+    for c in COPIES:
+        for i in range(4):
+            cid = f"c{c}-{i}"
+            ids.append((cid, c))
+            canaries.append({"id": cid, "kind": "random", "copies": c, "inserted": True,
+                             "exact_match": i < round(4 * rate_at(c))})
+    cols = lambda after: {  # noqa: E731
+        "id": [i for i, _ in ids] + [i + "-twin" for i, _ in ids],
+        "inserted": [True] * len(ids) + [False] * len(ids), "exact": [False] * 2 * len(ids),
+        "suffix_loss": [5.0 - (drop + 0.1 if after else 0)] * len(ids) + [5.0 - (0.1 if after else 0)] * len(ids),
+        "suffix_loss_dropped": [None] * 2 * len(ids), "suffix_loss_kept": [None] * 2 * len(ids)}
+    return {"sweep": "t", "point": f"{model}_{loss}_{seed}", "status": "ok", "model": model, "params": params,
+            "loss": loss, "seed": seed, "eval": {"exact_match_rate": 0.0}, "canaries": canaries,
+            "passes": [{"pass": 0, "canaries": cols(False)}, {"pass": 1, "canaries": cols(True)}]}
+
+
+@pytest.fixture(scope="module")
+def rows():
+    out = []
+    for seed in (1, 2, 3):
+        out.append(_record("small", 1e5, "standard", seed, lambda c: min(1.0, c / 128), 0.2))
+        out.append(_record("large", 4e6, "standard", seed, lambda c: min(1.0, c / 8), 0.6))
+        out.append(_record("small", 1e5, "goldfish k=4", seed, lambda c: 0.0, 0.05))
+        out.append(_record("large", 4e6, "goldfish k=4", seed, lambda c: 0.0, 0.05))
+    return out
+
+
+def test_units_pair_each_canary_across_sizes_with_its_twin_controlled_drop(rows):
+    us, sizes = units(rows, "standard")
+    assert sizes == {"small": 1e5, "large": 4e6} and len(us) == 3 * 24
+    assert all(u["small/drop"] == pytest.approx(0.2) and u["large/drop"] == pytest.approx(0.6) for u in us)
+    assert single_pass.applies(rows)
+
+
+def test_one_exposure_reports_the_drop_and_exact_match_of_the_canaries_seen_once(rows):
+    got = {(r["loss"], r["model"]): r for r in one_exposure(rows)}
+    large = got[("standard", "large")]
+    assert large["n"] == 12 and large["seeds"] == 3
+    mean, lo, hi = large["drop"]
+    assert mean == pytest.approx(0.6) and lo == pytest.approx(0.6) and hi == pytest.approx(0.6)  # no variance
+    assert got[("goldfish k=4", "small")]["k"] == 0
+
+
+def test_dose_response_finds_fewer_copies_for_the_larger_model_and_censors_goldfish(rows):
+    d = dose_response(rows)
+    trend = d["standard"]["trend"]
+    small, large = trend["sizes"]["small"]["crossing"], trend["sizes"]["large"]["crossing"]
+    assert large.value is not None and large.value < 8 and small.value is None and small.above == 32
+    assert trend["sizes"]["small"]["interval"][1] == math.inf  # censored: no upper bound
+    assert d["standard"]["band"]["band"] is None  # a censored size: no extrapolated number
+    gold = d["goldfish k=4"]["trend"]["sizes"]
+    assert all(s["crossing"].above == 32 for s in gold.values())
+
+
+def test_the_report_leads_with_the_single_pass_section_and_writes_csv_pdf_svg(rows, tmp_path):
+    import json
+
+    (tmp_path / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    made = build_report(tmp_path)
+    text = made["report"].read_text()
+    assert text.index("## One pass") < text.index("## Runs")
+    assert "> 32" in text and "unbounded by these data" in text
+    for name in ("one_exposure", "dose_response"):
+        for suffix in (".png", ".pdf", ".svg", ".csv"):
+            assert (tmp_path / "figures" / f"{name}{suffix}").is_file()
+    assert not (tmp_path / "figures" / "exact_match_vs_passes.png").exists()  # one pass: no curve over passes
