@@ -64,10 +64,15 @@ def test_tiny_sweep_end_to_end(tmp_path, monkeypatch):
         ev = r["eval"]
         for key in ("exact_match_rate", "rougeL", "mia_auc_loss", "val_loss", "exposure_mean"):
             assert key in ev, key
-        assert set(ev["by_copies"]) == {"1", "2", "4", "8"}
+        run_dir = out / r["point"]
+        # eval splits by copies SEEN: a copy in the rows after a pass's last full batch is not trained
+        manifest = [json.loads(line) for line in (run_dir / "canaries.jsonl").read_text().splitlines()]
+        trained_rows = json.loads((run_dir / "run.json").read_text())["trained"]["steps_per_pass"] * 8
+        assert {c["copies"] for c in manifest} == {1, 2, 4, 8}
+        assert set(ev["by_copies"]) == {str(sum(p["seq_index"] < trained_rows for p in c["placements"]))
+                                        for c in manifest}
         assert r["params"] > 0 and r["train"]["tokens_per_s"] > 0 and r["canaries"]
         assert r["base_dir"] and Path(r["base_dir"]).parent == tmp_path / "cache" / "base"
-        run_dir = out / r["point"]
         assert (run_dir / "eval.json").is_file() and not (run_dir / "checkpoints").exists()  # keep_checkpoints
         assert list((run_dir / "wandb").glob("offline-run-*"))
     assert rows[0]["params"] < rows[2]["params"]

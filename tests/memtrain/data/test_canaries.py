@@ -77,8 +77,8 @@ def test_random_canaries_record_their_candidate_space(stream):
             assert stream.tokenizer(c.text, add_special_tokens=False)["input_ids"] == c.token_ids
         else:
             assert len(c.token_ids) == len(c.twin_token_ids) == 20
-            assert stream.eos_id not in c.token_ids
-            assert space["size"] == (stream.vocab_size - 1) ** 20
+            assert stream.eos_id not in c.token_ids and 0 not in c.token_ids  # no special id is drawn
+            assert space["size"] == (stream.vocab_size - len(stream.tokenizer.all_special_ids)) ** 20
 
 
 def test_document_canaries_have_the_configured_length(stream):
