@@ -281,8 +281,6 @@ def _write_stream(folder: Path, data_cfg: DataConfig, canary_cfg: CanaryConfig, 
     write_atomic(folder / "meta.json", json.dumps(meta, indent=1).encode())  # last: marks the entry complete
 
 
-
-
 def _avoid(canary_cfg: CanaryConfig) -> str:
     """The text no canary may come from (canaries.unique_against), as one string."""
     if canary_cfg.unique_against is None:
