@@ -91,7 +91,10 @@ def _start(recipe, out, *args):
     proc = subprocess.Popen([sys.executable, "-m", "memtrain", "train", "--config", str(recipe), "--out", str(out),
                              "--set", "train.max_steps=100000", "--set", "train.epochs=1000", "--set",
                              "train.checkpoint_every=0", *args],
-                            env=ENV, cwd=ROOT, stderr=subprocess.PIPE, text=True)
+                            env=ENV, cwd=ROOT, stderr=subprocess.PIPE, text=True,
+                            # a pytest-xdist worker may ignore SIGINT, and an ignored signal stays ignored in a
+                            # child: give the trainer Ctrl-C's default, as a shell would
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.time() + 300
     while not (out / "metrics.jsonl").is_file() and proc.poll() is None and time.time() < deadline:
         time.sleep(0.2)
