@@ -47,8 +47,9 @@ def build_report(results: str | Path, out: str | Path | None = None) -> dict:
     figs = draw_figures(rows, out / "figures")
     lead = []
     if single_pass.applies(rows):  # a one-pass sweep: its own figures and summary lead the report
-        figs = single_pass_view.draw(rows, out / "figures") + figs
-        lead = single_pass_view.section(rows)
+        once, dose = single_pass_view.numbers(rows)
+        figs = single_pass_view.draw(once, dose, out / "figures") + figs
+        lead = single_pass_view.section(once, dose)
     md = write_markdown(rows, figs, out, lead)
     return {"report": md, "figures_dir": out / "figures", "figures": figs, "table": table_rows(rows),
             "runs": len(rows)}

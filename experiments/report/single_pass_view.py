@@ -48,7 +48,12 @@ def _save(fig, png: Path) -> Path:
     return png
 
 
-def draw(rows: list[dict], fig_dir: Path) -> list[Path]:
+def numbers(rows: list[dict]) -> tuple[list[dict], dict]:
+    """Figure 1's and figure 2's numbers, computed once (the bootstraps are the report's costliest part)."""
+    return one_exposure(rows), dose_response(rows)
+
+
+def draw(once: list[dict], dose: dict, fig_dir: Path) -> list[Path]:
     """Figure 1 and figure 2 with their CSVs; none when a figure would have a single x value."""
     import matplotlib
 
@@ -56,7 +61,6 @@ def draw(rows: list[dict], fig_dir: Path) -> list[Path]:
     import matplotlib.pyplot as plt
 
     figs = []
-    once = one_exposure(rows)
     if len({r["model"] for r in once}) >= 2:
         fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
         for i, loss in enumerate(dict.fromkeys(r["loss"] for r in once)):
@@ -90,7 +94,6 @@ def draw(rows: list[dict], fig_dir: Path) -> list[Path]:
               "drop_dropped", "drop_kept"],
              [[r["loss"], r["model"], r["params"], r["seeds"], r["k"], r["n"], *r["exact"], *(r["drop"] or [None] * 3),
                (r["drop_dropped"] or [None])[0], (r["drop_kept"] or [None])[0]] for r in once])
-    dose = dose_response(rows)
     if dose:
         fig, ax = plt.subplots(figsize=(7, 4.4))
         table = []
@@ -113,10 +116,8 @@ def draw(rows: list[dict], fig_dir: Path) -> list[Path]:
     return figs
 
 
-def section(rows: list[dict]) -> list[str]:
+def section(once: list[dict], dose: dict) -> list[str]:
     """report.md's single-pass section: a summary, then the tables behind figures 1 and 2."""
-    once = one_exposure(rows)
-    dose = dose_response(rows)
     if not once:
         return []
     lines = ["## One pass: what it memorizes", ""]
