@@ -19,10 +19,11 @@ def plot(argv: list[str]) -> int:
 
 
 def demo(argv: list[str]) -> int:
-    """the quick memorization sweep (same as `memtrain sweep quick`)"""
+    """the single-pass memorization sweep (same as `memtrain sweep single-pass`)"""
     from experiments.sweep.cli import build_parser, main
 
-    parser = build_parser(preset="quick", prog="memtrain demo", description=(
-        "The quick memorization sweep, what `make demo` runs: the same as `memtrain sweep quick` (see "
-        "experiments/presets/quick.toml), with the same options. Report: <out>/report.md (default runs/quick)."))
+    parser = build_parser(preset="single-pass", prog="memtrain demo", description=(
+        "The single-pass memorization sweep, what `make demo` runs: the same as `memtrain sweep single-pass` (see "
+        "experiments/presets/single-pass.toml), with the same options. Report: <out>/report.md (default "
+        "runs/single-pass)."))
     return main(argv, parser)

@@ -3,6 +3,9 @@
 memtrain/cli.py, `memtrain plan` (memtrain/plan/cli.py) and the experiments layer's commands all parse with
 `ArgumentParser` and run through `run_command`, so bad input anywhere ends the same way: one line
 `memtrain: error: ...` naming the value and the fix, and exit code 2.
+
+Exit codes (EXIT_CODES, shown by --help): each but 0 comes with one line on stderr, 130 and 143 with the --resume
+hint. SIGTERM is memtrain/signals.py's.
 """
 
 from __future__ import annotations
@@ -10,24 +13,64 @@ from __future__ import annotations
 import argparse
 import sys
 
+from memtrain import bounds, signals
+
+EXIT_CODES = ("exit codes: 0 done; 1 a failed sweep point, or a rank of the run lost; 2 bad input, or a path, "
+              "permission or full disk refusing a write; 130 Ctrl-C; 143 SIGTERM (what SLURM and torchrun send: "
+              "training saves the step it is at first)")
+
 
 def run_command(fn) -> int:
     """Run a command; bad input (a ValueError, or an OSError such as a missing path, a full disk or a denied
-    write) ends as one line and exit 2, Ctrl-C or SIGTERM as exit 130. Anything else is a bug: its traceback
-    is shown."""
+    write) ends as one line and exit 2, a lost rank as one line and exit 1, Ctrl-C as exit 130 and SIGTERM as
+    exit 143. Anything else is a bug: its traceback is shown."""
+    signals.handle()
     try:
         return fn() or 0
-    except KeyboardInterrupt:
-        print("memtrain: interrupted: a run continues from its last checkpoint with --resume", file=sys.stderr)
+    except BaseException as e:  # noqa: BLE001 - each kind ends in _ended; a bug is raised again
+        signals.ignore()  # ending already: a SIGTERM now (torchrun's, after a lost rank) would cut it short
+        code = _ended(e)
+        if code is None:
+            raise
+        return code
+
+
+def _ended(e: BaseException) -> int | None:
+    """The exit code of a command that raised `e`, its line printed; None when `e` is a bug."""
+    if isinstance(e, KeyboardInterrupt):
+        print(f"memtrain: interrupted: {signals.RESUME_HINT}", file=sys.stderr)
         return 130
-    except KeyError as e:  # str() of a KeyError is the repr of its argument
+    if isinstance(e, signals.Terminated):
+        print(f"memtrain: {e}", file=sys.stderr)
+        return signals.EXIT_CODE
+    if isinstance(e, KeyError):  # str() of a KeyError is the repr of its argument
         return fail(e.args[0] if e.args else "KeyError")
-    except OSError as e:
-        if e.filename is not None and e.strerror:
-            return fail(f"{e.filename}: {e.strerror} (check the path, its permissions and the free space)")
+    if isinstance(e, OSError) and e.filename is not None and e.strerror:
+        return fail(f"{e.filename}: {e.strerror} (check the path, its permissions and the free space)")
+    if isinstance(e, (OSError, ValueError)):
         return fail(str(e))
-    except ValueError as e:
-        return fail(str(e))
+    lost = _lost_rank(e) if isinstance(e, RuntimeError) else None
+    if lost is None:
+        return None
+    fail(lost)
+    return 1
+
+
+def _lost_rank(e: RuntimeError) -> str | None:
+    """What a collective's failure says about the other ranks (parallel/peers.py), None when `e` is no such
+    failure (or no process group ever started: then it cannot be)."""
+    if "parallel" not in sys.modules:
+        return None
+    import torch.distributed as dist
+
+    from parallel import peers
+
+    if not (dist.is_initialized() and peers.is_peer_failure(e)):
+        return None
+    who = peers.lost(dist.get_rank(), dist.get_world_size())
+    cause = str(e).split("] ", 1)[-1].split(". This is typically", 1)[0]  # gloo's source line and advice cut
+    return (f"rank {dist.get_rank()} lost contact with the other ranks: {who or cause}: this rank stopped too; "
+            f"{signals.RESUME_HINT}")
 
 
 def fail(message: str) -> int:
@@ -44,23 +87,35 @@ class ArgumentParser(argparse.ArgumentParser):
         self.exit(2, f"memtrain: error: {where}{message} (see {self.prog} --help)\n")
 
 
-def positive_int(text: str) -> int:
-    """An argparse type for counts that must be >= 1."""
+def positive_int(text: str, limit: int = bounds.DEFAULT) -> int:
+    """An argparse type for counts that must be >= 1 (and at most `limit`: see `at_most`)."""
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"{value} is invalid: use an integer >= 1")
+    if value > limit:
+        raise argparse.ArgumentTypeError(f"{value} is too large: use at most {bounds.shown(limit)}")
     return value
 
 
-def positive_float(text: str) -> float:
-    """An argparse type for sizes that must be > 0."""
+def positive_float(text: str, limit: float = bounds.DEFAULT) -> float:
+    """An argparse type for sizes that must be finite and > 0 (and at most `limit`: see `at_most`)."""
     try:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
     if not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"{value} is invalid: use a number > 0")
+        raise argparse.ArgumentTypeError(f"{value} is invalid: use a finite number > 0")
+    if value > limit:
+        raise argparse.ArgumentTypeError(f"{value:g} is too large: use at most {bounds.shown(limit)}")
     return value
+
+
+def at_most(kind, limit):
+    """`positive_int` or `positive_float` with its own bound (memtrain/bounds.py): `type=at_most(positive_int, N)`."""
+    def parse(text: str):
+        return kind(text, limit)
+    parse.__name__ = kind.__name__  # argparse names the type in some of its messages
+    return parse

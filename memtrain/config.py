@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import parallel
+from memtrain import bounds
 from memtrain.data.config import CanaryConfig, DataConfig
 from memtrain.losses import LossConfig
 
@@ -34,7 +35,8 @@ class ModelConfig:
     """Start from these weights: a memtrain checkpoint directory or an HF directory (fine-tuning).
     None trains from the seeded initialization."""
     trust_remote_code: bool = False
-    """Allow custom model code from a hub repository (off: only architectures transformers ships)."""
+    """Allow custom model code from a model directory (off: only architectures transformers ships). Set by the
+    --trust-remote-code flag of the command being run, never from a file: a recipe's or run's value is ignored."""
 
 
 PARALLEL_MODES = ("auto", *parallel.MODES)
@@ -117,6 +119,8 @@ class TrainConfig:
     checkpoint_every_min: float = 30.0
     """Also save a checkpoint once this many minutes of training have passed since the last one (0: off), so a
     long run killed midway loses at most that much (`--resume`). Rank 0's clock decides, for every rank."""
+    keep_checkpoints: int = 3
+    """Keep the newest this many checkpoints, time- and step-based (0: all); the one `latest` names always stays."""
 
 
 @dataclass
@@ -229,13 +233,14 @@ RULES = {
     "parallel.backend": _one_of(*parallel.KNOWN_BACKENDS),
     "parallel.grad_sync": _one_of(*parallel.GRAD_SYNCS),
     "parallel.timeout_s": _above(0),
+    "train.seed": _at_least(0), "canaries.seed": _at_least(0),
     "train.batch_size": _at_least(1), "train.micro_batch_size": _at_least(1), "train.epochs": _at_least(1),
     "train.max_steps": _at_least(1), "train.lr": _above(0), "train.min_lr": _at_least(0),
     "train.lr_width": _at_least(1), "train.lr_width_exponent": _at_least(0), "train.lr_scale": _above(0),
     "train.warmup_steps": _at_least(0), "train.weight_decay": _at_least(0), "train.beta1": _fraction(),
     "train.beta2": _fraction(), "train.grad_clip": _at_least(0), "train.precision": _one_of(*PRECISIONS),
     "train.log_every": _at_least(1), "train.checkpoint_every": _at_least(0),
-    "train.checkpoint_every_min": _at_least(0),
+    "train.checkpoint_every_min": _at_least(0), "train.keep_checkpoints": _at_least(0),
     "eval.suffix_len": _at_least(1), "eval.batch_size": _at_least(1), "eval.exposure_samples": _at_least(1),
     "eval.val_docs": _at_least(1), "eval.val_tokens": _at_least(1),
     "wandb.mode": _one_of(*WANDB_MODES),
@@ -253,6 +258,7 @@ def _build(section: str, cls: type, values: dict):
             values[key] = value = None  # `--set train.max_steps=none` (TOML has no null)
         if not _type_ok(value, annotation):
             raise ValueError(f"{section}.{key}={value!r} is invalid: expected {_expected(annotation)}")
+        bounds.check(f"{section}.{key}", value)  # before the section's own checks, and before any work
     return cls(**values)
 
 
@@ -273,6 +279,7 @@ def validate(cfg: RunConfig) -> RunConfig:
     if c.number and cfg.eval.enabled and set(c.kinds) & {"document"} and cfg.eval.suffix_len >= c.length:
         raise ValueError(f"eval.suffix_len={cfg.eval.suffix_len} leaves no prefix of the {c.length}-token document "
                          "canaries (canaries.length): use a suffix shorter than the canary")
+    bounds.check_canary_rows(c.number, c.copies, len(c.kinds), cfg.data.seq_len)
     return cfg
 
 
@@ -288,6 +295,18 @@ def from_dict(raw: dict) -> RunConfig:
     return validate(RunConfig(**sections))
 
 
+def check_overrides(overrides: list[str]) -> None:
+    """'section.key=value' strings on their own, before the config they go into exists (a sweep's pretraining
+    `set`): each key, type, bound and range; the checks across keys wait for the whole config."""
+    classes = _section_classes()
+    for section, values in apply_overrides({}, overrides).items():
+        built = _build(section, classes[section], values)
+        for key in values:
+            ok, allowed = RULES.get(f"{section}.{key}", (lambda v: True, ""))
+            if getattr(built, key) is not None and not ok(getattr(built, key)):
+                raise ValueError(f"{section}.{key}={getattr(built, key)!r} is invalid: use {allowed}")
+
+
 def parse_value(text: str):
     """A `--set` value in TOML syntax; anything that does not parse is a bare string."""
     try:
@@ -299,11 +318,15 @@ def parse_value(text: str):
 def apply_overrides(raw: dict, overrides: list[str]) -> dict:
     """Apply 'section.key=value' strings (values in TOML syntax, bare strings allowed) to a raw dict."""
     classes = _section_classes()
+    given = set()
     for item in overrides:
         if "=" not in item or "." not in item.split("=", 1)[0]:
             raise ValueError(f"--set {item!r} is malformed: use section.key=value, e.g. train.seed=1")
         path, value = item.split("=", 1)
         section, key = path.strip().split(".", 1)
+        if (section, key) in given:  # which one wins would be a guess: the last, silently
+            raise ValueError(f"--set {section}.{key} is given twice: give each key once")
+        given.add((section, key))
         if section not in classes:
             raise ValueError(f"unknown config section {section!r} in --set {item!r}{_closest(section, classes)}")
         names = {f.name for f in dataclasses.fields(classes[section])}
@@ -319,8 +342,8 @@ def load_toml(path: str | Path, what: str = "config file") -> dict:
     if not path.is_file():
         raise FileNotFoundError(f"{what} {str(path)!r} not found: pass an existing TOML file")
     try:
-        return tomllib.loads(path.read_text())
-    except tomllib.TOMLDecodeError as e:
+        return tomllib.loads(path.read_bytes().decode("utf-8"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"{what} {str(path)!r} is not valid TOML: {e}") from None
 
 

@@ -31,9 +31,9 @@ from memtrain.config import RunConfig
 from memtrain.config import load as load_config
 from memtrain.data import build_stream
 from memtrain.data.canaries import render_secret
-from memtrain.files import write_atomic
+from memtrain.files import read_json, write_atomic
 from memtrain.hf import GridModel
-from memtrain.models import build_model
+from memtrain.models import allow_remote_code, build_model
 from memtrain.progress import note, seconds, stage
 from memtrain.run_files import CONFIG, EVAL, EVAL_CANARIES, MANIFEST, RUN
 from memtrain.training import TrainResult, checkpoint, setup
@@ -133,11 +133,13 @@ def _in_row_canaries(stream, seen: dict[str, int]) -> list[ev.Canary]:
     return out
 
 
-def evaluate(model, stream, cfg, run_dir: Path, steps: int, write: bool = True) -> dict:
+def evaluate(model, stream, cfg, run_dir: Path, steps: int, write: bool = True,
+             val_loss: float | None = None) -> dict:
     """Score `model` on the stream's canaries; write the results when `write`.
 
     `model`: an HF causal LM on one process, or a `GridModel` (collective: every rank of the grid calls this,
-    one of them with write=True)."""
+    one of them with write=True). `val_loss`: the held-out loss of this model on the same documents, when the
+    per-pass probe has measured it already (it is then not scored again)."""
     if isinstance(model, torch.nn.Module):
         model.eval()
     seen = stream.copies_seen(cfg.train.batch_size, steps)
@@ -159,8 +161,11 @@ def evaluate(model, stream, cfg, run_dir: Path, steps: int, write: bool = True) 
                    f"(up to {cfg.eval.exposure_samples:,} candidates each)"):
             expo = _exposures(model, stream, cfg)
         val = stream.val_sequences(cfg.eval.val_docs, cfg.eval.val_tokens)
-        with stage(f"eval: validation loss on {sum(len(v) - 1 for v in val):,} tokens of held-out documents"):
-            val_loss = ev.validation_loss(model, val, batch_size=cfg.eval.batch_size) if val else None
+        if val_loss is not None:
+            val_loss = {"loss": val_loss, "perplexity": math.exp(val_loss)}
+        elif val:
+            with stage(f"eval: validation loss on {sum(len(v) - 1 for v in val):,} tokens of held-out documents"):
+                val_loss = ev.validation_loss(model, val, batch_size=cfg.eval.batch_size)
 
     tok = stream.tokenizer
     mia_rows = {r["id"]: r for r in mia["rows"]} if mia else {}
@@ -237,22 +242,24 @@ def evaluate_after(cfg: RunConfig, result: TrainResult) -> dict | None:
     the scores on global rank 0, None elsewhere."""
     rank0 = result.grid.rank == 0
     if result.grid.world_size > 1:
-        scores = evaluate(GridModel(result.model), result.stream, cfg, result.run_dir, result.steps, write=rank0)
+        scores = evaluate(GridModel(result.model), result.stream, cfg, result.run_dir, result.steps, write=rank0,
+                          val_loss=result.final_val_loss)
     else:
         model = _single_process_model(cfg, result.stream, result.model.full_state_dict())
-        scores = evaluate(model, result.stream, cfg, result.run_dir, result.steps)
+        scores = evaluate(model, result.stream, cfg, result.run_dir, result.steps, val_loss=result.final_val_loss)
     if not rank0:
         return None
     result.tracker.log_eval({k: v for k, v in scores.items() if k != "rows"}, scores["rows"])
     return scores
 
 
-def evaluate_run(run_dir: Path, checkpoint_path: str | None = None) -> dict | None:
+def evaluate_run(run_dir: Path, checkpoint_path: str | None = None, trust_remote_code: bool = False) -> dict | None:
     """`memtrain eval RUN_DIR`: evaluate a finished run again from its checkpoint.
 
     One process evaluates the plain HF model. Under torchrun or srun the processes form a grid with the run's
     x, y and z (data takes the remaining ranks), each reads only its shards of the checkpoint, and they evaluate
-    on the grid (collective); the scores on global rank 0, None elsewhere."""
+    on the grid (collective); the scores on global rank 0, None elsewhere. Only `trust_remote_code` (the command's
+    flag) lets the model directory's code run, whatever the run's config.toml says."""
     run_dir = Path(run_dir)
     cfg_path, run_json = run_dir / CONFIG, run_dir / RUN
     if not cfg_path.is_file() or not run_json.is_file():
@@ -261,8 +268,13 @@ def evaluate_run(run_dir: Path, checkpoint_path: str | None = None) -> dict | No
     if not (run_dir / MANIFEST).is_file():
         raise FileNotFoundError(f"{str(run_dir)!r} has no canaries.jsonl manifest: nothing to evaluate")
     cfg = load_config(cfg_path)
-    info = json.loads(run_json.read_text())
-    steps = info["trained"]["steps"]
+    allow_remote_code(cfg, trust_remote_code, str(cfg_path))  # the command's flag decides, never the run's file
+    fix = "restore it from a copy of the run, or evaluate another run"
+    info = read_json(run_json, "run file", fix)
+    steps = info.get("trained", {}).get("steps") if isinstance(info.get("trained"), dict) else None
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
+        raise ValueError(f"run file {str(run_json)!r} does not say how many steps the run trained (trained.steps): "
+                         f"{fix}")
     source = Path(checkpoint_path) if checkpoint_path else run_dir
     if parallel.launch_world_size() > 1:
         p = cfg.parallel
@@ -276,7 +288,7 @@ def evaluate_run(run_dir: Path, checkpoint_path: str | None = None) -> dict | No
             return scores if grid.rank == 0 else None
         finally:
             parallel.shutdown()
-    stream = build_stream(cfg.data, cfg.canaries, seed=cfg.train.seed)
+    stream = build_stream(cfg.data, cfg.canaries, seed=cfg.train.seed, batch_size=cfg.train.batch_size)
     _check_stream(run_dir, info, stream)
     with checkpoint.read_weights(source) as src:
         weights = {k: src.read(k) for k in src.keys()}  # one process evaluates the whole model

@@ -33,22 +33,23 @@ from transformers import AutoTokenizer, GenerationConfig
 
 from memtrain.config import load as load_config
 from memtrain.data.tokenizer import vocab_size
-from memtrain.files import atomic_dir
+from memtrain.files import atomic_dir, read_json
 from memtrain.hf.parallelize import hf_keys
-from memtrain.models import build_model
-from memtrain.run_files import CONFIG, RUN, TOKENIZER
+from memtrain.models import allow_remote_code, build_model
+from memtrain.run_files import CONFIG, EVAL, RUN, TOKENIZER, check_output
 from memtrain.training.checkpoint import latest, model_source
 
 _HINT = "pass the --out directory of `memtrain train` or one of its checkpoints/step_* directories"
 
 
-def export(source: str | os.PathLike, out: str | os.PathLike, max_shard_bytes: int = 5 * 2**30) -> tuple[Path, Path]:
-    """Write the model of a run or checkpoint to `out`; returns (the checkpoint exported, out)."""
+def export(source: str | os.PathLike, out: str | os.PathLike, max_shard_bytes: int = 5 * 2**30,
+           trust_remote_code: bool = False) -> tuple[Path, Path]:
+    """Write the model of a run or checkpoint to `out` (never inside a run directory); returns (the checkpoint
+    exported, out). The run's own config never allows remote code: only `trust_remote_code` (the command's flag)."""
+    out = check_output(out)
     run, ckpt = resolve(Path(source))
-    out = Path(out)
-    if out.exists() and not out.is_dir():
-        raise FileExistsError(f"--out {str(out)!r} is a file: name a directory")
     cfg = load_config(run / CONFIG)
+    allow_remote_code(cfg, trust_remote_code, str(run / CONFIG))
     tok = _tokenizer(run, cfg)
     # The model the trainer built (named config at the tokenizer's vocabulary, or the directory's config), on
     # meta: only its config and its state-dict names and shapes are needed.
@@ -86,6 +87,11 @@ def resolve(path: Path) -> tuple[Path, Path]:
         raise FileNotFoundError(f"RUN_OR_CHECKPOINT {str(path)!r} does not exist: {_HINT}")
     if (path / CONFIG).is_file():
         ckpt = latest(path)
+        if ckpt is None and (path / EVAL).is_file():  # evaluated, then its weights were deleted
+            raise FileNotFoundError(f"run {str(path)!r} finished but kept no checkpoint (a sweep with "
+                                    "keep_checkpoints = false deletes them once a run is evaluated): run the point "
+                                    "again (`memtrain sweep SPEC --only POINT --out NEW_DIR --set "
+                                    "sweep.keep_checkpoints=true`: it retrains bit for bit) and export that")
         if ckpt is None:
             raise FileNotFoundError(f"run {str(path)!r} has no complete checkpoint in {str(path / 'checkpoints')!r}: "
                                     "let its training finish (`memtrain train --resume` continues it)")
@@ -100,14 +106,19 @@ def resolve(path: Path) -> tuple[Path, Path]:
 def _tokenizer(run: Path, cfg):
     """The run's tokenizer with BOS = EOS (prepended by the tokenizer) and a pad token."""
     if (run / TOKENIZER).is_dir():
-        tok = AutoTokenizer.from_pretrained(run / TOKENIZER, local_files_only=True)
+        try:  # never its code: a tokenizer_config.json with auto_map is a run directory's way to run Python
+            tok = AutoTokenizer.from_pretrained(run / TOKENIZER, local_files_only=True, trust_remote_code=False)
+        except ValueError as e:
+            raise ValueError(f"the run's tokenizer {str(run / TOKENIZER)!r} does not load ({str(e).splitlines()[0]})"
+                             ": export a run as `memtrain train` wrote it") from None
         for key in ("is_local", "local_files_only"):  # how this copy was loaded, which save_pretrained would keep
             tok.init_kwargs.pop(key, None)
     else:  # a run from before the trainer kept its tokenizer: rebuild the stream, check it is the trained one
         from memtrain.data import build_stream
 
-        stream = build_stream(cfg.data, cfg.canaries, seed=cfg.train.seed)
-        if json.loads((run / RUN).read_text()).get("stream_key") != stream.key:
+        stream = build_stream(cfg.data, cfg.canaries, seed=cfg.train.seed, batch_size=cfg.train.batch_size)
+        info = read_json(run / RUN, "run file", "restore it from a copy of the run, or export another run")
+        if info.get("stream_key") != stream.key:
             raise ValueError(f"run {str(run)!r} has no tokenizer/ and its data or tokenizer changed since training: "
                              "export with the data and tokenizer it was trained with")
         tok = stream.tokenizer

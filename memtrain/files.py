@@ -25,9 +25,32 @@ def write_atomic(path: str | os.PathLike, data: str | bytes) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_bytes(data.encode("utf-8") if isinstance(data, str) else data)
-    os.replace(tmp, path)
+    try:
+        tmp.write_bytes(data.encode("utf-8") if isinstance(data, str) else data)
+        os.replace(tmp, path)
+    except OSError:  # a full disk: no stray temporary beside the file left as it was
+        tmp.unlink(missing_ok=True)
+        raise
     return path
+
+
+def respect_umask(path: str | os.PathLike) -> None:
+    """Give a file the mode open() would have (0o666 less the umask), so the group reads it as it reads every
+    other file of a run: writers that build in a private temporary (safetensors' save_file) leave 0600."""
+    try:
+        os.chmod(path, 0o666 & ~_umask())
+    except PermissionError:  # a file system that keeps modes of its own (some network mounts): the file is written
+        pass
+
+
+def _umask() -> int:
+    try:  # Linux says it without changing it; the fallback sets it for a moment (another thread could see that)
+        status = Path("/proc/self/status").read_text()
+        return int(status.split("Umask:", 1)[1].split()[0], 8)
+    except (OSError, IndexError, ValueError):
+        mask = os.umask(0o022)
+        os.umask(mask)
+        return mask
 
 
 def replace_dir(tmp: str | os.PathLike, final: str | os.PathLike) -> Path:
@@ -115,3 +138,19 @@ def read_jsonl(path: str | os.PathLike, *, quiet: bool = False) -> list[dict]:
             print(f"warning: {path}:{n} is not a complete JSON record (a write cut short by a kill?): skipped",
                   file=sys.stderr)
     return rows
+
+
+def read_json(path: str | os.PathLike, what: str, fix: str) -> dict:
+    """A file holding one JSON object (run.json, say), or a ValueError naming it, what is wrong (empty, not text,
+    not JSON, not an object) and `fix`; a missing or unreadable file is the OSError naming it."""
+    path = Path(path)
+    data = path.read_bytes()
+    if not data.strip():
+        raise ValueError(f"{what} {str(path)!r} is empty: {fix}")
+    try:
+        obj = json.loads(data.decode("utf-8"))
+    except ValueError as e:  # UnicodeDecodeError included
+        raise ValueError(f"{what} {str(path)!r} is damaged ({e}): {fix}") from None
+    if not isinstance(obj, dict):
+        raise ValueError(f"{what} {str(path)!r} holds {type(obj).__name__}, not a JSON object: {fix}")
+    return obj

@@ -30,6 +30,8 @@ from pathlib import Path
 
 import torch
 
+from memtrain.progress import note
+
 LADDER_VOCAB = 4096
 _WEIGHT_FILES = ("*.safetensors", "*.safetensors.index.json", "*.bin", "*.bin.index.json", "*.pt", "*.pth", "*.h5",
                  "*.msgpack", "*.gguf")
@@ -181,7 +183,15 @@ def build_model(name_or_path: str, vocab_size: int | None = None, *, device=None
     path = _local_dir(name_or_path, trust_remote_code)
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code, **overrides)
+    try:
+        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code, **overrides)
+    except Exception as e:  # noqa: BLE001 - a damaged config.json: ValueError, TypeError, huggingface_hub's own
+        if trust_remote_code or "trust_remote_code" not in str(e):  # (transformers' messages span lines)
+            raise ValueError(f"model {name_or_path!r}: its config.json is not a model config transformers reads "
+                             f"({' '.join(str(e).split())[:200]}): restore it, or save the model again") from None
+        raise ValueError(f"model {name_or_path!r} needs the Python code in its directory (auto_map in its config.json)"
+                         ", which runs only with --trust-remote-code on the command line: pass it if you trust that "
+                         "code") from None
     if vocab_size is not None and vocab_size > config.vocab_size:
         raise ValueError(f"vocab_size={vocab_size} exceeds the checkpoint's {config.vocab_size} at {str(path)!r}: "
                          "use the checkpoint's own tokenizer")
@@ -196,6 +206,18 @@ def build_model(name_or_path: str, vocab_size: int | None = None, *, device=None
     model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=dtype,
                                                  trust_remote_code=trust_remote_code)
     return model.to(device) if device is not None else model
+
+
+def allow_remote_code(cfg, allowed: bool, source: str) -> None:
+    """Set cfg.model.trust_remote_code from the --trust-remote-code flag of the command being run, and from nothing
+    else: a file saying true (a recipe, or the config.toml of a run directory someone sent) never makes a model
+    directory's Python run. `source` names where cfg was read, for the warning."""
+    if allowed:
+        note("warning: --trust-remote-code: Python files in the model's directory will run with your permissions")
+    elif cfg.model.trust_remote_code:
+        note(f"warning: model.trust_remote_code = true in {source} is ignored: only --trust-remote-code on the "
+             "command line lets a model directory's code run")
+    cfg.model.trust_remote_code = allowed
 
 
 def param_count(name: str, vocab_size: int | None = None) -> int:

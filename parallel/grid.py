@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from . import peers
+
 AXES = ("x", "y", "z", "data")
 KNOWN_BACKENDS = ("gloo", "nccl", "mpi", "ucc", "xccl", "fake")
 
@@ -228,9 +230,11 @@ def init(data: int = -1, x: int = 1, y: int = 1, z: int = 1, *, backend: str | N
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         timeout = datetime.timedelta(seconds=timeout_s)
-        if env:
-            dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world,
-                                    timeout=timeout)
+        if env:  # the rendezvous init_method="env://" does, keeping its store for peers.lost
+            store, rank, world = next(dist.rendezvous("env://", rank, world, timeout=timeout))
+            store.set_timeout(timeout)
+            dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
+            peers.register(store, rank)
         else:
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     grid = Grid(*degrees, rank=rank)
@@ -246,5 +250,6 @@ def shutdown() -> None:
         # interpreter exit, where gloo aborts ("terminate called without an active exception") at random.
         _GRID.release_groups()
     _GRID = None
+    peers.forget()
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -5,7 +5,8 @@
     python -m experiments.report runs/quick
 
 Several lines for the same point (a failure, then a retry with --resume) count once: the last one wins.
-Seeds are pooled: exact-match rates are counts over canaries x seeds with 95% Wilson intervals (n given).
+Seeds are pooled: exact-match rates are counts over canaries x seeds with 95% Wilson intervals (n given); the
+copies or passes a size needs to reach 50% get cluster-bootstrap intervals over seeds and canaries (crossing.py).
 
 The modules, each importing only those below it (and experiments.results, memtrain; never experiments.sweep,
 never torch: `memtrain plot` starts fast):
@@ -14,20 +15,21 @@ never torch: `memtrain plot` starts fast):
     markdown          report.md: its sections and tables
     figures           the PNG figures (matplotlib, imported when drawing)
     single_pass       one exposure (twin-controlled loss drop) and the dose-response over copies in one pass
-    aggregate         from records to the numbers shown: pooled rates, per-pass curves, passes to 50%, costs
+    passes            the passes study: passes to 50% per size with intervals, power law, one-pass band, its figure
+    figure_files      a study figure as PNG, PDF and SVG, and its numbers as CSV
+    aggregate         from records to the numbers shown: pooled rates, per-pass curves, costs
     crossing          threshold crossings with censoring, cluster-bootstrap intervals, power laws, bands
-    stats             Wilson intervals, passes to a threshold, the log-log power law
+    stats             Wilson intervals
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from experiments.results import RESULTS, latest_by_point
+from experiments.results import RESULTS, read_results
 from memtrain.commandline import ArgumentParser, fail
-from memtrain.files import read_jsonl
 
-from . import single_pass, single_pass_view
+from . import passes, single_pass, single_pass_view
 from .figures import draw_figures
 from .markdown import table_rows, write_markdown
 
@@ -41,16 +43,17 @@ def build_report(results: str | Path, out: str | Path | None = None) -> dict:
         raise FileNotFoundError(f"{str(results)!r} not found: pass a sweep directory or its results.jsonl")
     out = Path(out) if out else results.parent
     out.mkdir(parents=True, exist_ok=True)
-    rows = list(latest_by_point(read_jsonl(results)).values())
+    rows = list(read_results(results).values())
     if not rows:
         raise ValueError(f"{str(results)!r} holds no results yet")
-    figs = draw_figures(rows, out / "figures")
+    study = passes.numbers(rows)  # bootstraps: computed once for the figures and the text
+    figs = draw_figures(rows, out / "figures", study)
     lead = []
     if single_pass.applies(rows):  # a one-pass sweep: its own figures and summary lead the report
-        once, dose = single_pass_view.numbers(rows)
-        figs = single_pass_view.draw(once, dose, out / "figures") + figs
-        lead = single_pass_view.section(once, dose)
-    md = write_markdown(rows, figs, out, lead)
+        nums = single_pass_view.numbers(rows)
+        figs = single_pass_view.draw(nums, out / "figures") + figs
+        lead = single_pass_view.section(nums)
+    md = write_markdown(rows, figs, out, lead, study)
     return {"report": md, "figures_dir": out / "figures", "figures": figs, "table": table_rows(rows),
             "runs": len(rows)}
 

@@ -1,6 +1,6 @@
 """From a sweep's result records to the numbers its report shows: per-size series, pooled exact-match counts with
-Wilson intervals, per-pass memorization curves, passes to a threshold and the power law through them, the
-Goldfish loss's validation cost at equal supervised tokens, and the base models.
+Wilson intervals, per-pass memorization curves, the Goldfish loss's validation cost at equal supervised tokens,
+and the base models. (Passes to 50% and the power law through them, with intervals: passes.py.)
 
 Seeds are pooled: the canaries of every seed of a (loss, model) point are one sample, so a rate's n is
 canaries x seeds. Nothing here needs torch.
@@ -12,10 +12,10 @@ import math
 import re
 from collections import defaultdict
 
-from .stats import first_reaching, loglog_fit, solve_loglog, wilson
+from .stats import wilson
 
 THRESHOLD = 0.5
-"""Exact-match rate a size has to reach for `passes_to_threshold`."""
+"""The exact-match rate whose crossing the passes study reports (passes to 50%, passes.py)."""
 
 
 def f(v):
@@ -188,27 +188,6 @@ def curves(rows, kind: str | None = None) -> dict[str, dict[str, dict]]:
         pts = [(p, k / n, *wilson(k, n), k, n) for p, (k, n) in sorted(by_pass.items()) if n]
         out[loss][model] = {"params": params[(loss, model)], "passes": pts}
     return dict(out)
-
-
-def passes_to_threshold(curve: dict, threshold: float = THRESHOLD) -> float | None:
-    """Passes at which the pooled rate crosses `threshold`, linearly interpolated between the last pass below
-    it and the first at or above it (None if it never does)."""
-    pts = curve["passes"]
-    i = first_reaching([pt[1] for pt in pts], threshold)
-    if i is None:
-        return None
-    (p1, r1), (p0, r0) = pts[i - 1][:2], (pts[i - 2][:2] if i > 1 else (0, 0.0))
-    return p0 + (threshold - r0) / (r1 - r0) * (p1 - p0) if r1 > r0 else float(p1)
-
-
-def threshold_fit(by_model: dict, threshold: float = THRESHOLD) -> dict:
-    """Passes to `threshold` per size, the power law fitted through the sizes that reached it, and the size it
-    extrapolates to for a single pass (the catastrophic-memorization threshold of this corpus)."""
-    points = [(c["params"], passes_to_threshold(c, threshold), m) for m, c in by_model.items()]
-    reached = [(p, n) for p, n, _ in points if n is not None and p]
-    fit = loglog_fit([p for p, _ in reached], [n for _, n in reached]) if len(reached) >= 2 else None
-    one_pass = solve_loglog(fit, 1.0) if fit and fit[0] < 0 else None
-    return {"points": points, "fit": fit, "one_pass_params": one_pass, "n_fitted": len(reached)}
 
 
 # ---------------------------------------------------------------------------------------------------

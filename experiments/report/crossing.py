@@ -8,8 +8,9 @@ level). A curve that never reaches the threshold is right-censored: its crossing
 largest dose (a lower bound). One already at the threshold at the smallest dose is left-censored (an upper bound).
 
 Intervals come from a cluster bootstrap: resample the seeds (each a whole run: its canaries, rows and order), and
-inside each drawn seed its canaries, stratified by dose; a canary keeps its results at every size, so sizes stay
-paired. A bound is never turned into a number: a percentile that falls on a censored replicate is reported as
+inside each drawn seed its canaries: stratified by dose when each canary has one dose (copies), or each canary
+with its whole curve when it was scored at every dose (passes); a canary keeps its results at every size, so
+sizes stay paired. A bound is never turned into a number: a percentile that falls on a censored replicate is reported as
 unbounded on that side, and an extrapolation whose interval is unbounded prints no number.
 
 Nothing here needs torch: the report is drawn from results.jsonl alone.
@@ -25,7 +26,8 @@ from dataclasses import dataclass
 import numpy as np
 
 Unit = dict
-"""One canary of one seed: {"seed", "id", "dose", and per size key the canary's 0/1 (or float) outcome}."""
+"""One canary of one seed at one dose: {"seed", "id", "dose", and per size key the canary's 0/1 (or float)
+outcome}; with a "canary" key (the canary's id) when the same canary has a unit at several doses."""
 
 
 def monotone(doses: Sequence[float], rates: Sequence[float], weights: Sequence[float]) -> list[float]:
@@ -89,20 +91,54 @@ def cells_of(units: Sequence[Unit], key: str) -> list[tuple[float, float, int]]:
     return [(d, k, n) for d, (k, n) in sorted(by_dose.items())]
 
 
-def cluster_resamples(units: Sequence[Unit], n_boot: int = 1000, seed: int = 0):
-    """Yield `n_boot` bootstrap samples of `units`: seeds drawn with replacement, then within each drawn seed
-    its canaries drawn with replacement at each dose (stratified, so every dose keeps its count)."""
-    by_seed: dict = defaultdict(lambda: defaultdict(list))
-    for u in units:
-        by_seed[u["seed"]][u["dose"]].append(u)
+def _draws(units: Sequence[Unit], n_boot: int, seed: int):
+    """The positions in `units` of each of `cluster_resamples`'s samples, in the same order."""
+    by_seed: dict = defaultdict(lambda: (defaultdict(list), defaultdict(list)))
+    for i, u in enumerate(units):
+        by_dose, by_canary = by_seed[u["seed"]]
+        (by_canary[u["canary"]] if "canary" in u else by_dose[u["dose"]]).append(i)
     seeds = sorted(by_seed)
+    groups = [([np.asarray(g) for g in by_seed[s][0].values()], [np.asarray(c) for c in by_seed[s][1].values()])
+              for s in seeds]
     rng = np.random.default_rng(seed)
     for _ in range(n_boot):
-        sample = []
+        parts = []
         for s in rng.choice(len(seeds), size=len(seeds)):
-            for group in by_seed[seeds[int(s)]].values():
-                sample.extend(group[int(i)] for i in rng.integers(0, len(group), size=len(group)))
-        yield sample
+            by_dose, by_canary = groups[int(s)]
+            for group in by_dose:
+                parts.append(group[rng.integers(0, len(group), size=len(group))])
+            if by_canary:
+                parts.extend(by_canary[int(i)] for i in rng.integers(0, len(by_canary), size=len(by_canary)))
+        yield np.concatenate(parts) if parts else np.zeros(0, dtype=int)
+
+
+def cluster_resamples(units: Sequence[Unit], n_boot: int = 1000, seed: int = 0):
+    """Yield `n_boot` bootstrap samples of `units`: seeds drawn with replacement, then within each drawn seed
+    its canaries drawn with replacement.
+
+    A unit without a "canary" key is one canary at one dose: they are drawn at each dose (stratified, so every
+    dose keeps its count). Units sharing a "canary" key are one canary's whole curve (the passes study scores
+    the same canary after every pass): the canary is drawn, and brings all its units, so the correlation
+    along a curve stays in the interval. A drawn seed keeps its number of canaries either way."""
+    for idx in _draws(units, n_boot, seed):
+        yield [units[int(i)] for i in idx]
+
+
+class _Cells:
+    """`cells_of` for many samples of the same units, a sample given as positions in them: the outcomes are
+    read into arrays once (a bootstrap asks for thousands of samples of thousands of units)."""
+
+    def __init__(self, units: Sequence[Unit], keys: Sequence[str]):
+        doses, self.code = np.unique(np.asarray([u["dose"] for u in units]), return_inverse=True)
+        self.doses = doses.tolist()
+        self.seen = {k: np.asarray([u.get(k) is not None for u in units], dtype=bool) for k in keys}
+        self.y = {k: np.asarray([float(u[k]) if u.get(k) is not None else 0.0 for u in units]) for k in keys}
+
+    def __call__(self, idx: np.ndarray, key: str) -> list[tuple[float, float, int]]:
+        idx = idx[self.seen[key][idx]]
+        k = np.bincount(self.code[idx], weights=self.y[key][idx], minlength=len(self.doses))
+        n = np.bincount(self.code[idx], minlength=len(self.doses))
+        return [(d, kd, nd) for d, kd, nd in zip(self.doses, k.tolist(), n.tolist()) if nd]
 
 
 def percentile_interval(values: Sequence[float], level: float = 0.95) -> tuple[float, float]:
@@ -146,15 +182,17 @@ def size_trend(units: Sequence[Unit], sizes: dict[str, float], threshold: float,
     """Per size its crossing (point estimate and cluster-bootstrap interval); across sizes the power law of
     crossing vs parameters and the size at which it reaches a dose of 1 (one copy, or one pass), each with its
     interval. `sizes`: outcome key -> parameters."""
-    def crossings(sample):
-        return {key: crossing(cells_of(sample, key), threshold, log) for key in sizes}
+    cells = _Cells(units, list(sizes))
+
+    def crossings(idx):
+        return {key: crossing(cells(idx, key), threshold, log) for key in sizes}
 
     def fit_of(cr):
         keys = list(sizes)
         return loglog_slope([sizes[k] for k in keys], [cr[k].as_number() for k in keys])
 
-    point = crossings(units)
-    reps = [crossings(s) for s in cluster_resamples(units, n_boot, seed)]
+    point = crossings(np.arange(len(units)))
+    reps = [crossings(idx) for idx in _draws(units, n_boot, seed)]
     slopes = [(f[0] if (f := fit_of(cr)) else math.nan) for cr in reps]
     finite = [s for s in slopes if math.isfinite(s)]
     unbounded = len(slopes) - len(finite)

@@ -6,11 +6,11 @@ other metrics average the seeds, bars spanning their min and max.
 
 from __future__ import annotations
 
-import math
 import re
 from collections import defaultdict
 from pathlib import Path
 
+from . import passes
 from .aggregate import (
     THRESHOLD,
     agg,
@@ -26,8 +26,8 @@ from .aggregate import (
     models_by_size,
     ok_rows,
     series,
-    threshold_fit,
 )
+from .passes import fig_threshold
 
 # Okabe-Ito: distinguishable with the common colour-vision deficiencies.
 PALETTE = ["#D55E00", "#0072B2", "#009E73", "#E69F00", "#56B4E9", "#CC79A7", "#F0E442", "#000000"]
@@ -302,44 +302,6 @@ def fig_passes(rows, labels, path: Path, kind: str | None = None) -> Path:
     return _save(fig, path)
 
 
-def fig_threshold(rows, path: Path, kind: str | None = None) -> Path:
-    """Passes to reach THRESHOLD exact match vs parameters (log-log), the power law through them, and its
-    extrapolation to one pass: the size that would memorize this data in a single pass."""
-    plt = _plt()
-    fig, ax = plt.subplots(figsize=(6.4, 4.4))
-    drawn = False
-    for i, (loss, by_model) in enumerate(curves(rows, kind).items()):
-        fit = threshold_fit(by_model)
-        pts = [(p, n) for p, n, _ in fit["points"] if n is not None and p]
-        if not pts:
-            continue
-        color = PALETTE[i % len(PALETTE)]
-        ax.plot([p for p, _ in pts], [n for _, n in pts], "o", color=color, ms=7, label=f"{loss}: measured")
-        if fit["fit"] is not None:
-            slope, intercept = fit["fit"]
-            lo, hi = min(p for p, _ in pts), max(p for p, _ in pts)
-            end = max(hi, fit["one_pass_params"] or hi)
-            ax.plot([lo, hi], [10 ** (intercept + slope * math.log10(x)) for x in (lo, hi)], "-", color=color,
-                    label=f"fit: passes ~ N^{slope:.2f}")
-            if end > hi:
-                ax.plot([hi, end], [10 ** (intercept + slope * math.log10(x)) for x in (hi, end)], "--", color=color,
-                        label=f"extrapolation: 1 pass at N = {human(end)}")
-        drawn = True
-    if drawn:
-        ax.set_xscale("log")
-        ax.set_yscale("log")
-        ax.axhline(1, color="0.5", ls=":", lw=1)
-        ax.set_xlabel("parameters")
-        ax.set_ylabel(f"passes to {THRESHOLD:.0%} exact match")
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=7)
-    else:
-        _empty(fig, ax, f"no size reached {THRESHOLD:.0%} exact match")
-    ax.set_title(f"Passes to {THRESHOLD:.0%} exact match vs size{f' ({kind} canaries)' if kind else ''} "
-                 "(dashed: extrapolated)", fontsize=10)
-    return _save(fig, path)
-
-
 def fig_lr_sweep(rows, path: Path) -> Path:
     """Teacher-forced canary token accuracy vs learning-rate scale around the rule, a line per size; the rule
     tracks a size's best learning rate within 2x when its best point lies in the shaded band."""
@@ -367,7 +329,9 @@ def fig_lr_sweep(rows, path: Path) -> Path:
     return _save(fig, path)
 
 
-def draw_figures(rows: list[dict], fig_dir: Path) -> list[Path]:
+def draw_figures(rows: list[dict], fig_dir: Path, study: dict | None = None) -> list[Path]:
+    """Every sweep's figures; over passes, the curves and (from `study`, passes.numbers(rows), computed here when
+    not given) passes to 50% vs size."""
     fig_dir.mkdir(parents=True, exist_ok=True)
     labels = losses(rows)
     figs = [
@@ -389,7 +353,9 @@ def draw_figures(rows: list[dict], fig_dir: Path) -> list[Path]:
         for kind in [None, *kinds] if len(kinds) > 1 else [None]:
             suffix = f"_{kind}" if kind else ""
             figs.append(fig_passes(rows, labels, fig_dir / f"exact_match_vs_passes{suffix}.png", kind))
-            figs.append(fig_threshold(rows, fig_dir / f"passes_to_threshold{suffix}.png", kind))
+            study = passes.numbers(rows) if study is None else study
+            drawn = fig_threshold(study.get(kind, {}), fig_dir / f"passes_to_threshold{suffix}.png", kind)
+            figs += [drawn] if drawn else []
     if lr_sweep(rows):
         figs.append(fig_lr_sweep(rows, fig_dir / "lr_sweep.png"))
     return figs

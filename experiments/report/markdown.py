@@ -1,18 +1,21 @@
 """report.md: the sections of a sweep's report, as markdown tables drawn from its result records.
 
-Sections: memorization vs passes (when the runs scored every pass) with passes to 50% exact match and the
-power law through them, extrapolated to one pass (labelled as such); the runs; exact match by copies; the
-base models (validation loss beside the unigram entropy of their pretraining text); the Goldfish loss's
-validation cost at equal supervised tokens; the learning-rate rule; canaries buried mid-row; the published
-anchors; failures; the figures (figures.py).
+Sections: memorization vs passes (when the runs scored every pass): exact match after the passes beside passes to
+50% with cluster-bootstrap intervals, censored sizes as bounds, the power law across sizes and the extrapolation to
+one pass only as a band over thresholds, labelled as such, with no number where it is unbounded; the runs; exact
+match by copies; the base models (validation loss beside the unigram entropy of their pretraining text); the
+Goldfish loss's validation cost at equal supervised tokens; the learning-rate rule; canaries buried mid-row; the
+published anchors; failures; the figures (figures.py).
 """
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 from memtrain.files import write_atomic
 
+from . import passes
 from .aggregate import (
     THRESHOLD,
     base_models,
@@ -25,10 +28,9 @@ from .aggregate import (
     loss_of,
     lr_sweep,
     ok_rows,
-    passes_to_threshold,
     supervised_token_cost,
-    threshold_fit,
 )
+from .passes import N_BOOT, bound
 
 ANCHORS = [
     "Goldfish paper (Hans et al., NeurIPS'24), extreme setting: Llama-2-7B trained 100 epochs on 100 Wikipedia "
@@ -75,34 +77,72 @@ def table_rows(rows: list[dict]) -> list[dict]:
     return out
 
 
-def _passes_section(rows: list[dict], kind: str | None) -> list[str]:
+def _passes_section(rows: list[dict], kind: str | None, study: dict) -> list[str]:
+    """Exact match after every few passes (Wilson, pooled counts) beside passes to 50% with their cluster-bootstrap
+    intervals, then the power law and the one-pass extrapolation band. `study`: passes.numbers(rows)[kind], by
+    loss (empty when the runs kept no per-canary scores: then no crossing is shown, rather than one without an
+    interval)."""
     data = curves(rows, kind)
     n_pass = max((pt[0] for by_model in data.values() for c in by_model.values() for pt in c["passes"]), default=0)
     if n_pass < 2:  # pass 0 (the start) and one pass: the single-pass section tells it
         return []
     what = f"{kind} canaries" if kind else "all inserted canaries"
     lines = [f"## Memorization vs passes: {what}", "",
-             f"Exact match after p passes [95% Wilson interval] (k/n, pooled over seeds); passes to "
-             f"{THRESHOLD:.0%}: where the rate crosses it, interpolated between the passes around the crossing.", ""]
+             f"Exact match after p passes [95% Wilson interval] (k/n, pooled over seeds). Passes to {THRESHOLD:.0%}: "
+             "where the monotone fit of exact match over passes crosses it, interpolated between the passes around "
+             "it, with a 95% cluster-bootstrap interval (seeds, and in each its canaries with their whole curves); "
+             "'> P': not reached in P passes (a lower bound), '<= 1': reached by the first pass (an upper bound).", ""]
+    if not study:
+        lines += ["These runs kept no per-canary scores after each pass (only pooled counts), so passes to 50% are "
+                  "not estimated: without them there is no interval over canaries to give.", ""]
     for loss, by_model in data.items():
+        s = study.get(loss)
         show = sorted({1, max(1, n_pass // 4), max(1, n_pass // 2), max(1, 3 * n_pass // 4), n_pass})
         table = []
         for model, c in by_model.items():
             at = {pt[0]: pt for pt in c["passes"]}
-            table.append([model, human(c["params"] or 0), _cell(passes_to_threshold(c), "{:.1f}"),
+            cross = s["trend"]["sizes"].get(model) if s else None
+            table.append([model, human(c["params"] or 0), cross["crossing"].label() if cross else "-",
+                          _interval(*cross["interval"], s["passes"]) if cross else "-",
                           *(_rate((at[p][1], at[p][2], at[p][3], at[p][4], at[p][5])) if p in at else "-"
                             for p in show)])
-        lines += [f"**{loss}**", "", *_table(["model", "params", "passes to 50%", *(f"pass {p}" for p in show)],
-                                             "lrr" + "r" * len(show), table)]
-        fit = threshold_fit(by_model)
-        if fit["fit"] is not None:
-            slope, _ = fit["fit"]
-            one = fit["one_pass_params"]
-            lines += ["", f"Power law through the {fit['n_fitted']} sizes that reached {THRESHOLD:.0%}: passes ~ "
-                      f"N^{slope:.2f}" + (f"; EXTRAPOLATED to a single pass at N = {human(one)} parameters (the "
-                                          "size that would memorize this data in one pass, outside the measured "
-                                          "range: a projection, not a measurement)." if one else ".")]
+        header = ["model", "params", f"passes to {THRESHOLD:.0%}", "95% interval", *(f"pass {p}" for p in show)]
+        lines += [f"**{loss}**", "", *_table(header, "lrrr" + "r" * len(show), table)]
+        if s:
+            lines += ["", *_trend_lines(s)]
         lines.append("")
+    return lines
+
+
+def _interval(lo: float, hi: float, last: int) -> str:
+    """'[lo, hi]' of passes to 50%: an infinite side is 'unbounded', except the side of an interval that lies wholly
+    outside the measured passes, which is that bound ('> P' above the last pass, '<= 1' at the first)."""
+    return (f"[{f'> {last}' if lo == math.inf else bound(lo)}, "
+            f"{'<= 1' if hi == -math.inf else bound(hi)}]")
+
+
+def _trend_lines(s: dict) -> list[str]:
+    """The power law across sizes and the one-pass band, or why there is no number."""
+    trend, band = s["trend"], s["band"]
+    lo, hi = trend["slope_interval"]
+    slope = "none (a size is censored)" if trend["slope"] is None else f"{trend['slope']:.2f}"
+    lo, hi = bound(lo, "{:.2f}"), bound(hi, "{:.2f}")
+    lines = [f"Power law passes-to-{THRESHOLD:.0%} ~ N^slope over {len(s['sizes'])} sizes ({s['seeds']} seed(s) x "
+             f"{s['canaries']} canaries, {s['passes']} passes): slope {slope}, 95% interval [{lo}, {hi}]; "
+             f"{trend['replicates_censored']} of {N_BOOT} bootstrap replicates had a censored size and bound the "
+             "slope only."]
+    if s["seeds"] == 1:
+        lines.append("One seed: these intervals resample its canaries only; run-to-run variance is not in them.")
+    if band is None:
+        return lines
+    if band["band"]:
+        lines.append(f"A multi-exposure EXTRAPOLATION, outside the measured range (a projection, not a measurement): "
+                     f"the size at which ONE pass would reach 20-70% exact match lies in [{human(band['band'][0])}, "
+                     f"{human(band['band'][1])}] parameters (over the thresholds and the bootstrap).")
+    else:
+        lines.append("Extrapolated to one pass (a multi-exposure extrapolation), the size is unbounded by these data "
+                     "at some threshold in 20-70% (a censored size, or a slope interval reaching 0): no number is "
+                     "given.")
     return lines
 
 
@@ -150,8 +190,21 @@ def _lr_section(rows: list[dict]) -> list[str]:
     return lines + _table(["model", "params", "best scale", "best lr", "within 2x"], "lrrrl", table) + [""]
 
 
-def write_markdown(rows: list[dict], figs: list[Path], out: Path, lead: list[str] = ()) -> Path:
-    """report.md: the header, `lead` (a study's own summary and tables), then the sections every sweep has."""
+def _exposure_note(ok: list[dict]) -> str:
+    """How exposure was obtained: estimated from sampled alternatives (Carlini et al.'s distribution fit), so its
+    resolution and ceiling are the reader's to know."""
+    samples = sorted({int(n) for r in ok if isinstance(n := (r.get("eval") or {}).get("exposure_samples"), int)})
+    if not samples:
+        return "exact or estimated per canary"
+    return (f"ESTIMATED from {'/'.join(map(str, samples))} sampled alternative secrets per canary by a fitted "
+            "distribution (capped at log2 of the candidate space; the empirical rank alone resolves only "
+            f"log2({samples[-1] + 1}) = {math.log2(samples[-1] + 1):.1f} bits)")
+
+
+def write_markdown(rows: list[dict], figs: list[Path], out: Path, lead: list[str] = (), study: dict | None = None
+                   ) -> Path:
+    """report.md: the header, `lead` (a study's own summary and tables), then the sections every sweep has.
+    `study`: the passes study's numbers (passes.numbers(rows)), computed here when not given."""
     name = next((r.get("sweep") for r in rows if r.get("sweep")), out.name)
     ok = ok_rows(rows)
     failed = [r for r in rows if r.get("status") != "ok"]
@@ -159,11 +212,12 @@ def write_markdown(rows: list[dict], figs: list[Path], out: Path, lead: list[str
     lines = [f"# Memorization sweep `{name}`", "",
              f"{len(rows)} run(s): {len(ok)} ok, {len(failed)} failed; precision {', '.join(precisions) or '-'}. "
              "Metrics are over the inserted canaries (exact match, ROUGE-L: greedy suffix extraction; exposure: "
-             "random canaries; MIA AUC: loss attack, inserted canaries vs their never-trained twins; val loss: "
-             "held-out documents).", "", *lead]
+             f"random canaries, in bits, {_exposure_note(ok)}; MIA AUC: loss attack, inserted canaries vs their "
+             "never-trained twins; val loss: held-out documents).", "", *lead]
+    study = passes.numbers(rows) if study is None else study
     kinds = sorted({key.split("/")[0] for r in ok for key in ((r.get("eval") or {}).get("cells") or {})})
     for kind in [None, *kinds] if len(kinds) > 1 else [None]:
-        lines += _passes_section(rows, kind)
+        lines += _passes_section(rows, kind, study.get(kind, {}))
     runs = [[_cell(t["point"]), _cell(t["model"]), human(t["params"]) if isinstance(t["params"], (int, float)) else "-",
              _cell(t["loss"]), _cell(t["seed"]), _cell(t["lr"], "{:.2e}"),
              f"{_cell(t['exact_match'])} ({_cell(t['n'])})", f"{_cell(t['rougeL'])} / {_cell(t['rougeL_text'])}",

@@ -133,6 +133,88 @@ def _base_exact(rows: list[dict], loss: str) -> dict[str, tuple[int, int]]:
     return {m: (k, n) for m, (k, n) in acc.items()}
 
 
+def utility(rows: list[dict]) -> list[dict]:
+    """Per (loss, model): held-out loss of the base (pass 0) and after the pass, and the change, each a mean over
+    seeds with a 95% bootstrap interval over seeds (every run scores the same held-out documents)."""
+    runs: dict = defaultdict(list)
+    sizes: dict = {}
+    for r in ok_rows(rows):
+        by_pass = {p.get("pass"): f(p.get("val_loss")) for p in r.get("passes") or []}
+        if by_pass.get(0) is not None and by_pass.get(1) is not None:
+            runs[(loss_of(r), str(r.get("model")))].append((by_pass[0], by_pass[1]))
+            sizes[str(r.get("model"))] = f(r.get("params")) or 0.0
+    rng = np.random.default_rng(0)
+    out = []
+    for (loss, model), vals in sorted(runs.items(), key=lambda kv: (loss_order(kv[0][0]), sizes[kv[0][1]])):
+        v = np.asarray(vals)
+        delta = v[:, 1] - v[:, 0]
+        means = delta[rng.integers(0, len(delta), size=(N_BOOT, len(delta)))].mean(axis=1)
+        out.append({"loss": loss, "model": model, "params": sizes[model], "runs": len(v),
+                    "base": float(v[:, 0].mean()), "after": float(v[:, 1].mean()),
+                    "delta": (float(delta.mean()), *np.percentile(means, [2.5, 97.5]).tolist()),
+                    "worst": float(delta.max())})
+    return out
+
+
+def _roc(members: list[float], others: list[float]) -> dict:
+    """AUC (ties count half) and TPR at the largest threshold whose false-positive rate is <= 1%, for scores
+    where higher means member."""
+    pos, neg = np.asarray(members), np.asarray(others)
+    auc = float(((pos[:, None] > neg[None, :]) + 0.5 * (pos[:, None] == neg[None, :])).mean())
+    allowed = int(math.floor(0.01 * len(neg)))  # false positives allowed at 1% FPR (0 below 100 twins)
+    cut = np.sort(neg)[::-1][allowed] if allowed < len(neg) else -math.inf
+    return {"auc": auc, "tpr_at_1pct_fpr": float((pos > cut).mean()), "n_members": len(pos),
+            "n_twins": len(neg), "fpr_max": allowed / len(neg)}
+
+
+def mia_one_exposure(rows: list[dict]) -> list[dict]:
+    """Membership inference after the pass, per (loss, model), pooled over seeds: the members seen exactly once
+    against all never-trained twins. Two scores: the loss attack (lower suffix loss = member) and the
+    base-calibrated one (the drop in suffix loss from the base model, a reference-model attack)."""
+    scores: dict = defaultdict(lambda: {"attack_loss": ([], []), "attack_calibrated": ([], [])})
+    sizes: dict = {}
+    for r in ok_rows(rows):
+        pair = _first_pass(r)
+        if not pair:
+            continue
+        before, after = pair
+        key = (loss_of(r), str(r.get("model")))
+        sizes[key[1]] = f(r.get("params")) or 0.0
+        for i, member in enumerate(after["inserted"]):
+            a, b = after["suffix_loss"][i], before["suffix_loss"][i]
+            if a is None or b is None or (member and after["copies"][i] != 1):
+                continue
+            side = 0 if member else 1
+            scores[key]["attack_loss"][side].append(-a)
+            scores[key]["attack_calibrated"][side].append(b - a)
+    out = []
+    for (loss, model), sc in sorted(scores.items(), key=lambda kv: (loss_order(kv[0][0]), sizes[kv[0][1]])):
+        if sc["attack_loss"][0] and sc["attack_loss"][1]:
+            out.append({"loss": loss, "model": model, "params": sizes[model],
+                        **{name: _roc(*sides) for name, sides in sc.items()}})
+    return out
+
+
+def training_order(rows: list[dict]) -> list[dict]:
+    """Per (loss, model): the runs' order effect (eval.order_effect: per copies level, the Spearman correlation of
+    a member's last training step with its log-likelihood; later-seen text should be remembered better), pooled
+    over runs weighted by members, with the range of the runs' own values."""
+    acc: dict = defaultdict(list)
+    sizes: dict = {}
+    for r in ok_rows(rows):
+        oe = (r.get("eval") or {}).get("order_effect") or {}
+        if f(oe.get("mean")) is not None and oe.get("n"):
+            acc[(loss_of(r), str(r.get("model")))].append((float(oe["mean"]), int(oe["n"])))
+            sizes[str(r.get("model"))] = f(r.get("params")) or 0.0
+    out = []
+    for (loss, model), vals in sorted(acc.items(), key=lambda kv: (loss_order(kv[0][0]), sizes[kv[0][1]])):
+        n = sum(k for _, k in vals)
+        out.append({"loss": loss, "model": model, "params": sizes[model], "runs": len(vals), "n": n,
+                    "rho": sum(v * k for v, k in vals) / n, "lo": min(v for v, _ in vals),
+                    "hi": max(v for v, _ in vals)})
+    return out
+
+
 def applies(rows: list[dict]) -> bool:
     """A single-pass sweep: its runs trained one pass and their probe scored pass 0 and pass 1."""
     ok = ok_rows(rows)

@@ -5,15 +5,13 @@ Every figure is written as PNG (for report.md), PDF and SVG, and its numbers as 
 
 from __future__ import annotations
 
-import csv
-import io
 import math
 from pathlib import Path
 
-from memtrain.files import write_atomic
-
 from .aggregate import human
-from .single_pass import N_BOOT, dose_response, one_exposure
+from .figure_files import save_figure as _save
+from .figure_files import write_csv as _csv
+from .single_pass import N_BOOT, dose_response, mia_one_exposure, one_exposure, training_order, utility
 
 PALETTE = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b")
 
@@ -31,30 +29,22 @@ def _bound(v: float) -> str:
     return "unbounded" if not math.isfinite(v) else f"{v:.3g}"
 
 
-def _csv(path: Path, header: list[str], rows: list[list]) -> Path:
-    buf = io.StringIO()
-    w = csv.writer(buf)
-    w.writerow(header)
-    w.writerows(rows)
-    return write_atomic(path, buf.getvalue())
+SEED_VARIES = ("A seed draws the canaries (which secrets, which held-out documents, from a pool no other seed "
+               "uses), the rows they land in and the order of the pass; the base model of each size and its "
+               "initialization are shared by all seeds.")
 
 
-def _save(fig, png: Path) -> Path:
-    for suffix in (".png", ".pdf", ".svg"):
-        fig.savefig(png.with_suffix(suffix), dpi=130, bbox_inches="tight")
-    import matplotlib.pyplot as plt
-
-    plt.close(fig)
-    return png
-
-
-def numbers(rows: list[dict]) -> tuple[list[dict], dict]:
-    """Figure 1's and figure 2's numbers, computed once (the bootstraps are the report's costliest part)."""
-    return one_exposure(rows), dose_response(rows)
+def numbers(rows: list[dict]) -> dict:
+    """The section's numbers, computed once (the bootstraps are the report's costliest part): figure 1 ("once"),
+    figure 2 ("dose"), held-out loss before and after the pass ("utility") and membership inference at one
+    exposure ("mia")."""
+    return {"once": one_exposure(rows), "dose": dose_response(rows), "utility": utility(rows),
+            "mia": mia_one_exposure(rows), "order": training_order(rows)}
 
 
-def draw(once: list[dict], dose: dict, fig_dir: Path) -> list[Path]:
+def draw(nums: dict, fig_dir: Path) -> list[Path]:
     """Figure 1 and figure 2 with their CSVs; none when a figure would have a single x value."""
+    once, dose = nums["once"], nums["dose"]
     import matplotlib
 
     matplotlib.use("Agg")
@@ -116,19 +106,67 @@ def draw(once: list[dict], dose: dict, fig_dir: Path) -> list[Path]:
     return figs
 
 
-def section(once: list[dict], dose: dict) -> list[str]:
-    """report.md's single-pass section: a summary, then the tables behind figures 1 and 2."""
-    if not once:
-        return []
-    lines = ["## One pass: what it memorizes", ""]
-    seeds = max((r["seeds"] for r in once), default=0)
+def _top_copies(curve: list[tuple]) -> str:
+    d, rate, lo, hi, k, n = curve[-1]
+    return f"{k}/{n} = {rate:.2f} [{lo:.2f}, {hi:.2f}]"
+
+
+def summary(nums: dict) -> list[str]:
+    """What the numbers say, in a paragraph: each claim with its n and interval, nulls said as nulls."""
+    once, dose, util, mia = nums["once"], nums["dose"], nums["utility"], nums["mia"]
+    out = []
     std = [r for r in once if r["loss"] == "standard"]
     if std:
         sig = [r for r in std if r["drop"] and r["drop"][1] > 0]
-        lines += [f"After one exposure ({seeds} seed(s), intervals: cluster bootstrap over seeds and canaries), the "
-                  f"standard loss leaves a twin-controlled suffix-loss drop whose interval excludes 0 at "
-                  f"{len(sig)} of {len(std)} sizes; exact match after one exposure is "
-                  + ", ".join(f"{r['k']}/{r['n']}" for r in std) + " from the smallest size to the largest.", ""]
+        out.append("**One exposure.** Seen once, a canary's twin-controlled suffix-loss drop is "
+                   + ", ".join(_interval(r["drop"]) for r in std)
+                   + f" nats/token from the smallest size to the largest (standard loss, {std[0]['seeds']} seed(s)); "
+                   f"its interval excludes 0 at {len(sig)} of {len(std)} sizes. Exact match after one exposure: "
+                   + ", ".join(f"{r['k']}/{r['n']}" for r in std)
+                   + (" (none at any size: a null at this scale)." if not any(r["k"] for r in std) else "."))
+    if "standard" in dose:
+        curves = dose["standard"]["curves"]
+        models = list(curves)
+        first, last = curves[models[0]][-1], curves[models[-1]][-1]
+        disjoint = first[3] < last[2] or last[3] < first[2]
+        out.append(f"**Copies within one pass.** At {last[0]} copies the standard loss gives back "
+                   f"{_top_copies(curves[models[0]])} of the smallest size's canaries and "
+                   f"{_top_copies(curves[models[-1]])} of the largest's (95% Wilson, pooled over seeds); the "
+                   f"intervals are {'disjoint' if disjoint else 'NOT disjoint'}.")
+    gold = [(loss, m, p) for loss, d in dose.items() if loss.startswith("goldfish")
+            for m, pts in d["curves"].items() for p in pts if p[0] > 0]
+    if gold:
+        loss, m, p = max(gold, key=lambda t: t[2][1])
+        if p[1] == 0:
+            ns = sorted({g[2][5] for g in gold})
+            n = f"{ns[0]}" if len(ns) == 1 else f"{ns[0]} to {ns[-1]}"
+            out.append(f"**Goldfish.** It gives back none of its canaries in any (size, copies) cell (n = {n} per "
+                       "cell).")
+        else:
+            out.append(f"**Goldfish.** Its highest exact match in any (size, copies) cell is {p[4]}/{p[5]} = "
+                       f"{p[1]:.2f} ({loss}, {m}, {p[0]} copies).")
+    std_util = [u for u in util if u["loss"] == "standard"]
+    if std_util:
+        base = [u["base"] for u in std_util]
+        falling = all(b2 < b1 for b1, b2 in zip(base, base[1:]))
+        out.append("**Utility.** Held-out loss of the base models, smallest to largest: "
+                   + ", ".join(f"{b:.3f}" for b in base) + f" ({'falling' if falling else 'NOT falling'} with size); "
+                   "after the standard pass it moves by " + ", ".join(_interval(u["delta"]) for u in std_util)
+                   + f" nats (worst single run {max(u['worst'] for u in std_util):+.3f}).")
+    if mia:
+        aucs = [m["attack_calibrated"]["auc"] for m in mia if m["loss"] == "standard"]
+        if aucs:
+            out.append(f"**Membership at one exposure.** Base-calibrated loss attack, members seen once vs every "
+                       f"twin: AUC {min(aucs):.2f} to {max(aucs):.2f} over sizes (standard loss).")
+    return [" ".join(out), "", SEED_VARIES, ""] if out else []
+
+
+def section(nums: dict) -> list[str]:
+    """report.md's single-pass section: a summary, then the tables behind figures 1 and 2 and the controls."""
+    once, dose = nums["once"], nums["dose"]
+    if not once:
+        return []
+    lines = ["## One pass: what it memorizes", "", *summary(nums), "### Figure 1: one exposure", ""]
     lines += ["| loss | model | params | exact match, one exposure [95% Wilson] | drop: member - twin (nats/token) "
               "[95% CI] | dropped positions | kept positions |", "|---|---|---:|---:|---:|---:|---:|"]
     for r in once:
@@ -160,5 +198,46 @@ def section(once: list[dict], dose: dict) -> list[str]:
         else:
             lines.append("Extrapolated to a single copy, the size is unbounded by these data (a censored size or a "
                          "slope interval reaching 0): no number is given.")
+    return [*lines, "", *_utility_table(nums["utility"]), *_mia_table(nums["mia"]), *_order_table(nums["order"])]
+
+
+def _utility_table(util: list[dict]) -> list[str]:
+    if not util:
+        return []
+    lines = ["### Utility: held-out loss before and after the pass", "",
+             "20k tokens of whole held-out documents, the same for the base (pass 0) and the fine-tuned model; mean "
+             "over runs (seeds), 95% bootstrap interval over runs.", "",
+             "| loss | model | params | runs | base | after the pass | change [95% CI] | worst run |",
+             "|---|---|---:|---:|---:|---:|---:|---:|"]
+    lines += [f"| {u['loss']} | {u['model']} | {human(u['params'])} | {u['runs']} | {u['base']:.3f} | "
+              f"{u['after']:.3f} | {_interval(u['delta'])} | {u['worst']:+.3f} |" for u in util]
     return [*lines, ""]
 
+
+def _mia_table(mia: list[dict]) -> list[str]:
+    if not mia:
+        return []
+    lines = ["### Membership inference at one exposure", "",
+             "Members seen exactly once against every never-trained twin, pooled over seeds. Loss attack: lower "
+             "suffix loss = member; calibrated: its drop from the base model. TPR at the largest threshold whose "
+             "false-positive rate is <= 1% of the twins (0 false positives below 100 twins).", "",
+             "| loss | model | members / twins | AUC loss | AUC calibrated | TPR at 1% FPR, loss | "
+             "TPR at 1% FPR, calibrated |", "|---|---|---:|---:|---:|---:|---:|"]
+    for m in mia:
+        a, c = m["attack_loss"], m["attack_calibrated"]
+        lines.append(f"| {m['loss']} | {m['model']} | {c['n_members']} / {c['n_twins']} | {a['auc']:.2f} | "
+                     f"{c['auc']:.2f} | {a['tpr_at_1pct_fpr']:.2f} | {c['tpr_at_1pct_fpr']:.2f} |")
+    return [*lines, ""]
+
+
+def _order_table(order: list[dict]) -> list[str]:
+    if not order:
+        return []
+    lines = ["### Training order", "",
+             "Within each copies level, the Spearman correlation of a member's last training step with its "
+             "log-likelihood after the pass (positive: later-seen canaries are remembered better), pooled over runs "
+             "weighted by members; a check on the data order, with few members per level and run.", "",
+             "| loss | model | runs | members | Spearman (pooled) | range over runs |", "|---|---|---:|---:|---:|---:|"]
+    lines += [f"| {o['loss']} | {o['model']} | {o['runs']} | {o['n']} | {o['rho']:+.2f} | [{o['lo']:+.2f}, "
+              f"{o['hi']:+.2f}] |" for o in order]
+    return [*lines, ""]

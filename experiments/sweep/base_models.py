@@ -24,7 +24,7 @@ from memtrain.progress import quiet
 from memtrain.run_files import CHECKPOINTS, CONFIG, EVAL
 
 from .launch import Runner, train_tail
-from .spec import PretrainSpec, label
+from .spec import PretrainSpec, label, trained_settings
 
 BASE_VERSION = 1
 
@@ -109,12 +109,12 @@ def pretrain_config(cfg: RunConfig, pre: PretrainSpec, corpus: str | None = None
 
 
 def base_key(pcfg: RunConfig, corpus_fp: str, tokenizer_fp: str) -> str:
-    """Hash of what determines a base model: not where files live, the grid, W&B, canary or evaluation settings."""
-    d = pcfg.to_dict()
-    for section in ("wandb", "parallel", "canaries", "eval"):  # no canary is pretrained; evaluation changes nothing
+    """Hash of what determines a base model: not where files live, the grid, W&B, canary or evaluation settings, nor
+    how often it logged and saved (spec.BOOKKEEPING)."""
+    d = trained_settings(pcfg)
+    for section in ("parallel", "canaries", "eval"):  # no canary is pretrained; evaluation changes nothing
         d.pop(section)
     d["data"] = dict(d["data"], corpus=None, tokenizer=None, cache_dir=None, file_glob=None)
-    d["train"].pop("checkpoint_every_min")  # when to save changes nothing trained (and keeps older keys valid)
     blob = json.dumps({"v": BASE_VERSION, "config": d, "corpus": corpus_fp, "tokenizer": tokenizer_fp},
                       sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]

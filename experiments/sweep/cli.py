@@ -10,22 +10,27 @@ import signal
 import sys
 from pathlib import Path
 
-from memtrain.commandline import ArgumentParser, fail, positive_int
+from memtrain.commandline import ArgumentParser, at_most, fail, positive_int
 from memtrain.config import WANDB_MODES
+from memtrain.run_files import check_output
 
 from . import slurm
 from .jobs import Cluster
 from .launch import LAUNCHERS, default_command
 from .run import run_sweep
 from .slurm_options import add_arguments, merge, options_from_args
-from .spec import load_spec, points_of, presets
+from .spec import MAX_JOBS, load_spec, points_of, presets
+
+MAX_NPROC = 1024
+"""--nproc: processes torchrun starts on this machine for one run."""
 
 
 def build_parser(preset: str | None = None, prog: str = "memtrain sweep",
                  description: str | None = None) -> argparse.ArgumentParser:
     """The sweep's options; with `preset`, a command that runs that preset (no SPEC argument), e.g. `memtrain demo`."""
     ap = ArgumentParser(
-        prog=prog, description=description or "Run a memorization sweep: one full run (train one pass, evaluate) "
+        prog=prog, description=description or "Run a memorization sweep: one full run (train for the config's "
+        "passes, evaluate) "
         "per point of a grid of configs, results appended to <out>/results.jsonl, then a report.",
         epilog=None if preset else f"presets: {', '.join(presets())} (experiments/presets/)")
     if preset:
@@ -41,8 +46,9 @@ def build_parser(preset: str | None = None, prog: str = "memtrain sweep",
     ap.add_argument("--launcher", choices=LAUNCHERS, default="local",
                     help="local: one process per run; torchrun: torchrun --standalone --nproc-per-node N; slurm: "
                          "each point a SLURM job of its nodes and GPUs; submitit-local: the same jobs on this machine")
-    ap.add_argument("--nproc", type=positive_int, default=None, help="processes per run with --launcher torchrun")
-    ap.add_argument("--jobs", type=positive_int, default=None,
+    ap.add_argument("--nproc", type=at_most(positive_int, MAX_NPROC), default=None,
+                    help="processes per run with --launcher torchrun")
+    ap.add_argument("--jobs", type=at_most(positive_int, MAX_JOBS), default=None,
                     help="points run side by side, each with its share of the cores (default: the spec's, or 1); "
                          "with slurm: jobs queued or running at once (default: all)")
     ap.add_argument("--wandb", choices=WANDB_MODES, default=None,
@@ -67,7 +73,7 @@ def main(argv: list[str] | None = None, parser: argparse.ArgumentParser | None =
         if args.dry_run or args.list:
             spec, points = points_of(spec, args.overrides, args.wandb, args.only)
         if args.dry_run:
-            out = Path(args.out) if args.out else Path("runs") / spec.name
+            out = check_output(Path("runs") / spec.name if args.out is None else args.out)
             print(slurm.dry_run(spec, points, out, Cluster("slurm", merge(spec.slurm, cluster)),
                                 default_command("slurm", 1, args.runner)))
             return 0

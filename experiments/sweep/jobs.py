@@ -10,6 +10,11 @@ checkpoint (train.checkpoint_every_min).
 `--launcher submitit-local` runs the same jobs through submitit's LocalExecutor on this machine (one node;
 tasks = ranks, each told its rank through RANK/WORLD_SIZE): the tests' path, and a rehearsal of a cluster sweep.
 
+submitit follows a SLURM job through `sacct`; where job accounting is off (sacct missing or refusing), it would
+report a job that died before writing its result (a node lost, the task killed) as unknown, and the sweep would
+wait for it forever. There `Cluster.running` asks squeue instead: a job squeue no longer lists as queued or
+running, with no result after five more polls (a shared file system may show the result late), ended without one.
+
 Every task of a job unpickles TrainJob from this module: nothing here imports torch at its top.
 """
 
@@ -43,6 +48,8 @@ if TYPE_CHECKING:
 LOGS = "submitit"
 LOCAL_TIMEOUT_MIN = 7 * 24 * 60
 """submitit-local without --time: a week (submitit's own default would stop a job after 2 minutes)."""
+ENDED = ("BOOT_FAIL", "CANCELLED", "COMPLETED", "DEADLINE", "FAILED", "NODE_FAIL", "OUT_OF_MEMORY", "TIMEOUT")
+"""squeue's states of a job that will not run again (squeue lists one for a few minutes after it ends)."""
 
 
 class RunFailed(RuntimeError):
@@ -129,6 +136,9 @@ class Cluster:
         self.log = log
         self.poll_s = opts.poll_s if opts.poll_s is not None else (1.0 if self.local else 30.0)
         self._submit_lock = threading.Lock()  # submitit's executors are not made for threads
+        self._accounting: bool | None = None  # whether sacct answers (asked once)
+        self._gone_since: dict[str, float] = {}  # jobs squeue no longer lists as live, without a result yet
+        self._lost: dict[str, str] = {}  # jobs that ended without a result: why
 
     def require_scheduler(self) -> None:
         if not self.local and shutil.which("sbatch") is None:
@@ -168,10 +178,40 @@ class Cluster:
     def running(self, job, reattached: bool) -> bool:
         if self.local and reattached:  # no process handle in this process: ask the system
             return _pid_running(int(job.job_id)) and not job.task(0).paths.result_pickle.exists()
-        return not job.done()
+        if self.local or self._has_accounting(job):
+            return not job.done()
+        if all(job.task(i).paths.result_pickle.exists() for i in range(job.num_tasks)):
+            return False
+        state = _squeue_state(str(job.job_id))
+        if state is None or (state != "" and state not in ENDED):  # live, or squeue cannot say now: wait on
+            self._gone_since.pop(str(job.job_id), None)
+            return True
+        gone = self._gone_since.setdefault(str(job.job_id), time.time())
+        logs = [f.stat().st_mtime for i in range(job.num_tasks) if (f := job.task(i).paths.stderr).exists()]
+        ended = min(gone, max(logs, default=gone))  # its last log line: a --resume may find it gone long since
+        if time.time() - ended < 5 * self.poll_s:
+            return True
+        self._lost[str(job.job_id)] = (f"job {job.job_id} ended ({state or 'no longer listed by squeue'}) without "
+                                       "writing its result (a node lost or the task killed; this cluster keeps no "
+                                       "job accounting to say more)")
+        return False
+
+    def _has_accounting(self, job) -> bool:
+        if self._accounting is None:
+            try:
+                r = subprocess.run(["sacct", "-n", "-X", "-o", "State", "-j", str(job.job_id)], capture_output=True,
+                                   timeout=60)
+                self._accounting = r.returncode == 0
+            except (OSError, subprocess.TimeoutExpired):
+                self._accounting = False
+            if not self._accounting:
+                self.log("no job accounting here (sacct missing or refusing): following jobs with squeue")
+        return self._accounting
 
     def outcome(self, job) -> tuple[str, str | None, dict]:
         """('ok' | 'failed', the error with its log path, task 0's return value) of a finished job."""
+        if str(job.job_id) in self._lost:  # submitit would wait for its result forever
+            return "failed", self._lost[str(job.job_id)], {}
         first = job.task(0)
         exc = first.exception()  # waits briefly for a result a shared file system has not shown yet
         if exc is None:
@@ -212,6 +252,18 @@ class Cluster:
             return (0, None) if status == "ok" else (1, error)
 
         return run
+
+
+def _squeue_state(job_id: str) -> str | None:
+    """squeue's state of a job ('RUNNING', 'PENDING', ...), '' when it lists no such job (ended a while ago), None
+    when squeue itself cannot say (missing, or the controller not answering)."""
+    try:
+        r = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T"], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if r.returncode != 0:
+        return "" if "invalid job id" in r.stderr.lower() else None
+    return r.stdout.split()[0] if r.stdout.split() else ""
 
 
 def _error_line(message: str) -> str:

@@ -8,12 +8,15 @@ the record when the job ends, possibly in a later sweep (`--resume` collects it)
     rc, err = run_fn(launch.command, launch.run_dir)
     life.finish(life.ended(launch, "ok" if rc == 0 else "failed", err))
 
-A run directory belongs to its point: a claim clears what an interrupted or older run left there, unless the
-run can resume from a checkpoint of the very same config (`--resume`).
+A run directory belongs to its point: a claim clears what an interrupted or older run of the point left there,
+unless the run can resume from a checkpoint of the very same config (`--resume`). Any other run found there (one
+`memtrain train` wrote, or another sweep's) is refused, never removed, and a claim holds the lock a trainer holds
+while it writes the directory, so a live trainer's files are never cleared under it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import threading
 import time
@@ -21,9 +24,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from experiments.results import RESULTS, make_record, now
-from memtrain.config import RunConfig, to_toml
-from memtrain.files import append_jsonl, write_atomic
-from memtrain.run_files import CHECKPOINTS, CONFIG, EVAL, EVAL_CANARIES, LATEST
+from memtrain.config import RunConfig, load_toml, to_toml
+from memtrain.files import append_jsonl, file_lock, write_atomic
+from memtrain.run_files import CHECKPOINTS, CONFIG, EVAL, EVAL_CANARIES, LATEST, LOCK, is_run
 
 from .base_models import BaseModelError, BaseModels
 from .launch import train_tail
@@ -69,8 +72,8 @@ class PointLife:
             try:
                 base_dir = self.bases.get(p.cfg)
             except BaseModelError as e:
-                shutil.rmtree(run_dir, ignore_errors=True)  # no stale files of an older run in this record
-                run_dir.mkdir(parents=True)
+                with _held(run_dir, p.cfg):
+                    _clear(run_dir)  # no stale files of an older run in this record
                 self.finish(self.record(p, run_dir, None, "failed", str(e), started, time.time() - t0))
                 return None
             p.cfg.model.init = str(base_dir)
@@ -114,16 +117,50 @@ class PointLife:
 def claim_run_dir(run_dir: Path, cfg: RunConfig, resume: bool) -> bool:
     """Write the run's config.toml; True if a checkpoint of this exact config lets the run resume."""
     text = to_toml(cfg)
-    if run_dir.exists():
+    with _held(run_dir, cfg):
         same = (run_dir / CONFIG).is_file() and (run_dir / CONFIG).read_text() == text
         if resume and same and (run_dir / CHECKPOINTS / LATEST).is_file():
             for name in (EVAL, EVAL_CANARIES):  # the evaluation runs again after the resumed training
                 (run_dir / name).unlink(missing_ok=True)
             return True
-        shutil.rmtree(run_dir)  # leftovers of an interrupted or older run of this point
-    run_dir.mkdir(parents=True)
-    write_atomic(run_dir / CONFIG, text)
+        _clear(run_dir)  # leftovers of an interrupted or older run of this point
+        write_atomic(run_dir / CONFIG, text)
     return False
+
+
+def check_point_dir(run_dir: Path, cfg: RunConfig) -> None:
+    """Refuse a run in `run_dir` that is not an earlier run of this point: only a directory holding no run, or one
+    whose config.toml names this sweep and point (wandb.group and wandb.name, which the sweep sets), is cleared."""
+    if not is_run(run_dir):
+        return
+    try:
+        wb = load_toml(run_dir / CONFIG).get("wandb")
+    except (ValueError, OSError):  # unreadable: not provably this point's
+        wb = None
+    if not isinstance(wb, dict) or (wb.get("group"), wb.get("name")) != (cfg.wandb.group, cfg.wandb.name):
+        raise FileExistsError(f"{str(run_dir)!r} holds a training run this sweep did not make: move it elsewhere, "
+                              "or give the sweep another --out")
+
+
+@contextlib.contextmanager
+def _held(run_dir: Path, cfg: RunConfig):
+    """`run_dir` (created if missing) under a trainer's lock, once check_point_dir has passed."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    with contextlib.ExitStack() as stack:
+        try:
+            stack.enter_context(file_lock(run_dir / LOCK, blocking=False))
+        except BlockingIOError:
+            raise FileExistsError(f"a trainer is writing {str(run_dir)!r}: let it end (or stop it) before the sweep "
+                                  "runs this point again") from None
+        check_point_dir(run_dir, cfg)
+        yield
+
+
+def _clear(run_dir: Path) -> None:
+    """Remove everything in `run_dir` but its lock (held: removing it would let a trainer lock a new one)."""
+    for entry in run_dir.iterdir():
+        if entry.name != LOCK:
+            shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
 
 
 def _num(v) -> str:

@@ -18,16 +18,17 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from experiments.report import build_report
-from experiments.results import RESULTS, latest_by_point, now
+from experiments.results import RESULTS, now, read_results
 from memtrain.config import RunConfig
-from memtrain.files import file_lock, read_jsonl, write_atomic
+from memtrain.files import file_lock, write_atomic
 from memtrain.models import param_count
+from memtrain.run_files import check_output
 
 from . import slurm
 from .base_models import BaseModels
 from .jobs import Cluster
 from .launch import CLUSTER_LAUNCHERS, Runner, default_command, subprocess_runner
-from .point import PointLife
+from .point import PointLife, check_point_dir
 from .slurm_options import ClusterOptions, merge
 from .spec import Point, Spec, points_of
 
@@ -42,7 +43,7 @@ def run_sweep(spec: Spec, out_dir: str | Path | None = None, *, overrides: list[
     default all); returns {ok, failed, skipped, pending, results, out, report}. A cluster launcher (slurm,
     submitit-local) takes `cluster` over the spec's [slurm] section; `wait=False` submits and returns."""
     spec, points = points_of(spec, overrides, wandb_mode, only)
-    out = Path(out_dir) if out_dir else Path("runs") / spec.name
+    out = check_output(Path("runs") / spec.name if out_dir is None else out_dir)
     on_cluster = launcher in CLUSTER_LAUNCHERS
     jobs = jobs or (None if on_cluster else spec.jobs)
     if on_cluster or (jobs is not None and jobs > 1):  # runs report from threads: one line at a time
@@ -95,7 +96,7 @@ def _exclusive(path: Path):
 def _run_points(spec: Spec, points: list[Point], out: Path, *, overrides, resume, launcher, nproc, runner, run_fn,
                 report, jobs, cluster: Cluster | None, wait, log) -> dict:
     results = out / RESULTS
-    previous = latest_by_point(read_jsonl(results))
+    previous = read_results(results)
     if previous and not resume:
         raise FileExistsError(f"{str(results)!r} already holds {len(previous)} result(s): pass --resume to run "
                               "only the missing points, or choose another --out")
@@ -117,6 +118,8 @@ def _run_points(spec: Spec, points: list[Point], out: Path, *, overrides, resume
         if prev and prev.get("status") == "ok":
             log(f"{p.id}: its config changed since the recorded result: running it again")
         todo.append(p)
+    for p in todo:  # before any point runs: a run the sweep did not make is refused, never replaced
+        check_point_dir(out / p.id, p.cfg)
     skipped = len(points) - len(todo)
     log(f"sweep {spec.name}: {len(points)} point(s), {len(todo)} to run"
         + (f", {skipped} already done" if skipped else "") + f" -> {out}")

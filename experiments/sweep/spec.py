@@ -15,7 +15,8 @@ import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from memtrain.config import RunConfig, apply_overrides, from_dict, load_toml, parse_value
+from memtrain import bounds
+from memtrain.config import RunConfig, TrainConfig, apply_overrides, check_overrides, from_dict, load_toml, parse_value
 
 from .slurm_options import options_from_spec
 
@@ -83,11 +84,26 @@ class Point:
     a cached base) without W&B settings or the cache location, plus the pretraining settings if any."""
 
 
-def _digest(cfg: RunConfig, pre: PretrainSpec) -> str:
+BOOKKEEPING = {"log_every": True, "checkpoint_every": True, "checkpoint_every_min": False, "keep_checkpoints": False}
+"""[train] keys that say how often a run logs and saves, never what it trains, so point digests and base-model keys
+leave them out: changing them neither re-runs a point nor pretrains a base again. True: the key was hashed before,
+so it is hashed at its default, and digests made then stay valid for runs that had the default."""
+
+
+def trained_settings(cfg: RunConfig) -> dict:
+    """`cfg` as a dict without its W&B settings and BOOKKEEPING: what decides the weights a run trains."""
     d = cfg.to_dict()
     d.pop("wandb", None)
+    for key, hashed_before in BOOKKEEPING.items():
+        d["train"].pop(key)
+        if hashed_before:
+            d["train"][key] = getattr(TrainConfig(), key)
+    return d
+
+
+def _digest(cfg: RunConfig, pre: PretrainSpec) -> str:
+    d = trained_settings(cfg)
     d["data"] = dict(d["data"], cache_dir=None)
-    d["train"].pop("checkpoint_every_min")  # when to save changes nothing trained (and keeps older digests valid)
     blob = {"config": d, "pretrain": dataclasses.asdict(pre) if pre.applies_to(cfg) else None}
     return hashlib.sha256(json.dumps(blob, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -117,9 +133,12 @@ def parse_spec(raw: dict, source: str = "<dict>") -> Spec:
     if unknown:
         raise ValueError(f"sweep spec {source}: unknown section(s) {sorted(unknown)}: use [sweep], [base], "
                          "[axes], [pretrain], [slurm]")
+    for section, value in raw.items():
+        if not isinstance(value, dict):
+            raise ValueError(f"sweep spec {source}: [{section}] must be a table of keys, got {value!r}")
     sw = dict(raw.get("sweep", {}))
     name = sw.pop("name", None) or (Path(source).stem if source.endswith(".toml") else "sweep")
-    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", name):
+    if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", name):
         raise ValueError(f"sweep name {name!r} is invalid: use letters, digits, '.', '_' or '-'")
     spec = Spec(name=name, description=sw.pop("description", ""), keep_checkpoints=sw.pop("keep_checkpoints", True),
                 jobs=sw.pop("jobs", 1), base=copy.deepcopy(raw.get("base", {})), axes=dict(raw.get("axes", {})),
@@ -127,8 +146,13 @@ def parse_spec(raw: dict, source: str = "<dict>") -> Spec:
     if sw:
         raise ValueError(f"sweep spec {source}: unknown [sweep] key(s) {sorted(sw)}: use name, description, "
                          "keep_checkpoints, jobs")
-    if isinstance(spec.jobs, bool) or not isinstance(spec.jobs, int) or spec.jobs < 1:
-        raise ValueError(f"sweep spec {source}: jobs = {spec.jobs!r} is invalid: use an integer >= 1")
+    if isinstance(spec.jobs, bool) or not isinstance(spec.jobs, int) or not 1 <= spec.jobs <= MAX_JOBS:
+        raise ValueError(f"sweep spec {source}: jobs = {spec.jobs!r} is invalid: use an integer in [1, {MAX_JOBS}]")
+    if not isinstance(spec.keep_checkpoints, bool):
+        raise ValueError(f"sweep spec {source}: keep_checkpoints = {spec.keep_checkpoints!r} is invalid: use true or "
+                         "false (unquoted)")
+    if not isinstance(spec.description, str):
+        raise ValueError(f"sweep spec {source}: description = {spec.description!r} is invalid: use a string")
     spec.pretrain = _pretrain_spec(raw.get("pretrain", {}), source)
     spec.slurm = options_from_spec(raw.get("slurm", {}), source)
     from_dict(copy.deepcopy(spec.base))  # validate the base early: a typo fails before any run starts
@@ -145,9 +169,37 @@ def _pretrain_spec(raw: dict, source: str) -> PretrainSpec:
     if bad:
         raise ValueError(f"sweep spec {source}: unknown [pretrain] key(s) {sorted(bad)}: use {sorted(names)}")
     p = PretrainSpec(**raw)
-    if not isinstance(p.steps, int) or p.steps < 0:
-        raise ValueError(f"pretrain.steps={p.steps!r} is invalid: use an integer >= 0")
+    for key, (kind, low, high, optional) in _PRETRAIN_RANGES.items():
+        value = getattr(p, key)
+        if value is None and optional:
+            continue
+        if isinstance(value, bool) or not isinstance(value, kind) or not (  # nan and inf fail the comparisons
+                low <= value <= high and (key != "lr" or value > 0)):
+            what = "an integer" if kind is int else "a finite number"
+            raise ValueError(f"sweep spec {source}: pretrain.{key}={value!r} is invalid: use {what} in "
+                             f"{'(' if key == 'lr' else '['}{low}, {bounds.shown(high)}]" + " or none" * optional)
+    if not isinstance(p.corpus, str) or not p.corpus.strip():
+        raise ValueError(f"sweep spec {source}: pretrain.corpus={p.corpus!r} is invalid: use 'disjoint', 'same' or "
+                         "a data.corpus value")
+    if not isinstance(p.set, list) or not all(isinstance(item, str) for item in p.set):
+        raise ValueError(f"sweep spec {source}: pretrain.set={p.set!r} is invalid: use a list of "
+                         "\"section.key=value\" strings")
+    try:  # a mistyped key would otherwise fail each point's base model, one by one, after the sweep started
+        check_overrides(p.set)
+    except ValueError as e:
+        raise ValueError(f"sweep spec {source}: pretrain.set: {e}") from None
     return p
+
+
+_PRETRAIN_RANGES = {
+    "steps": (int, 0, bounds.DEFAULT, False), "lr": ((int, float), 0, bounds.limit("train.lr"), False),
+    "min_lr": ((int, float), 0, bounds.limit("train.min_lr"), True), "warmup_steps": (int, 0, bounds.DEFAULT, False),
+    "batch_size": (int, 1, bounds.SEQUENCES, True), "seq_len": (int, 2, bounds.POSITIONS, True),
+    "seed": (int, 0, bounds.SEED, False), "max_docs": (int, 1, bounds.DEFAULT, True),
+}
+"""[pretrain]'s numbers: (type, lowest, highest, may be none); lr must also be > 0."""
+MAX_JOBS = 100_000
+"""[sweep] jobs (and --jobs): points side by side, or cluster jobs in flight."""
 
 
 def _sections() -> set[str]:
@@ -300,18 +352,24 @@ def split_overrides(items: list[str]) -> tuple[list[str], list[str], list[str]]:
 
 
 def apply_spec_overrides(spec: Spec, pre: list[str], sw: list[str]) -> None:
+    given = set()
     for item in pre + sw:
         if "=" not in item:
             raise ValueError(f"--set {item!r} is malformed: use section.key=value")
         path, value = item.split("=", 1)
         section, key = path.strip().split(".", 1)
+        if (section, key) in given:  # which one wins would be a guess: the last, silently
+            raise ValueError(f"--set {section}.{key} is given twice: give each key once")
+        given.add((section, key))
         value = parse_value(value.strip())
         if section == "pretrain":
             if key not in {f.name for f in dataclasses.fields(PretrainSpec)}:
                 raise ValueError(f"unknown [pretrain] key {key!r} in --set {item!r}")
             setattr(spec.pretrain, key, value)
         elif key == "keep_checkpoints":
-            spec.keep_checkpoints = bool(value)
+            if not isinstance(value, bool):  # bool("no") is True
+                raise ValueError(f"--set {item!r}: sweep.keep_checkpoints takes true or false")
+            spec.keep_checkpoints = value
         else:
             raise ValueError(f"--set {item!r}: only sweep.keep_checkpoints can be set from the command line")
     spec.pretrain = _pretrain_spec(dataclasses.asdict(spec.pretrain), "--set")

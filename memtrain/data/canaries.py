@@ -155,8 +155,12 @@ def make_document_canaries(cfg: CanaryConfig, tok, docs: list[Document], candida
     sibling stdlib files share codec tables), so that neither a canary nor its twin reaches the model through
     another document.
     """
-    blob = "\0".join(d.text for d in docs)
     need = 2 * cfg.number
+    if len(candidates) < need:  # before the search, which reads the whole corpus once per candidate
+        raise ValueError(f"corpus has only {len(candidates)} documents of canaries.length={cfg.length} tokens or more "
+                         f"to cut canaries from, need {need} (canaries + twins): lower canaries.number or "
+                         "canaries.length, or use a larger corpus")
+    blob = "\0".join(d.text for d in docs)
     chosen: list[tuple[int, str, list[int]]] = []
     for di in rng.permutation(np.asarray(candidates, dtype=np.int64)):
         if len(chosen) == need:
@@ -165,9 +169,9 @@ def make_document_canaries(cfg: CanaryConfig, tok, docs: list[Document], candida
         if chunk is not None:
             chosen.append((int(di), *chunk))
     if len(chosen) < need:
-        raise ValueError(f"corpus has only {len(chosen)} documents with a unique chunk of canary.length="
-                         f"{cfg.length} tokens, need {need} (canaries + twins): lower canary.number or "
-                         "canary.length, or use a larger corpus")
+        raise ValueError(f"corpus has only {len(chosen)} documents with a unique chunk of canaries.length="
+                         f"{cfg.length} tokens, need {need} (canaries + twins): lower canaries.number or "
+                         "canaries.length, or use a larger corpus")
     canaries = []
     for i in range(cfg.number):
         (d, text, ids), (td, twin_text, twin_ids) = chosen[2 * i], chosen[2 * i + 1]

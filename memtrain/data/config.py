@@ -103,26 +103,26 @@ class CanaryConfig:
         self.copies = list(self.copies)
         for kind in self.kinds:
             if kind not in CANARY_KINDS:
-                raise ValueError(f"canary.kinds contains {kind!r}: use any of {list(CANARY_KINDS)}")
+                raise ValueError(f"canaries.kinds contains {kind!r}: use any of {list(CANARY_KINDS)}")
         if len(set(self.kinds)) != len(self.kinds):
-            raise ValueError(f"canary.kinds={self.kinds} repeats a kind: list each kind once")
+            raise ValueError(f"canaries.kinds={self.kinds} repeats a kind: list each kind once")
         if self.number < 0:
-            raise ValueError(f"canary.number={self.number} is invalid: use >= 0 canaries per kind")
+            raise ValueError(f"canaries.number={self.number} is invalid: use >= 0 canaries per kind")
         if not self.copies or any(not isinstance(c, int) or c < 1 for c in self.copies):
-            raise ValueError(f"canary.copies={self.copies} is invalid: use a non-empty list of ints >= 1")
+            raise ValueError(f"canaries.copies={self.copies} is invalid: use a non-empty list of ints >= 1")
         if isinstance(self.placement, str):
             if self.placement not in ("start", "random"):
-                raise ValueError(f"canary.placement={self.placement!r} is invalid: "
+                raise ValueError(f"canaries.placement={self.placement!r} is invalid: "
                                  "use 'start', 'random' or an int offset >= 1")
         elif isinstance(self.placement, bool) or not isinstance(self.placement, int) or self.placement < 1:
-            raise ValueError(f"canary.placement={self.placement!r} is invalid: an int offset must be >= 1 "
+            raise ValueError(f"canaries.placement={self.placement!r} is invalid: an int offset must be >= 1 "
                              "(position offset-1 holds the EOS that opens the canary)")
         if self.length < 1:
-            raise ValueError(f"canary.length={self.length} is invalid: use >= 1 token")
+            raise ValueError(f"canaries.length={self.length} is invalid: use >= 1 token")
         if self.random_format not in RANDOM_FORMATS:
-            raise ValueError(f"canary.random_format={self.random_format!r} is invalid: "
+            raise ValueError(f"canaries.random_format={self.random_format!r} is invalid: "
                              "use 'secret' or 'tokens'")
         if self.pools < 1:
-            raise ValueError(f"canary.pools={self.pools} is invalid: use >= 1 pool")
+            raise ValueError(f"canaries.pools={self.pools} is invalid: use >= 1 pool")
         if self.secret_groups < 1:
-            raise ValueError(f"canary.secret_groups={self.secret_groups} is invalid: use >= 1 group")
+            raise ValueError(f"canaries.secret_groups={self.secret_groups} is invalid: use >= 1 group")

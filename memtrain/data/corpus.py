@@ -129,7 +129,12 @@ def _dataset_documents(ds, field: str, src: str) -> list[Document]:
     if field not in ds.column_names:
         raise ValueError(f"corpus {src!r} has no column {field!r} (columns: {ds.column_names}): "
                          "set data.text_field")
-    return [Document(name=f"{src}#{i}", text=t or "") for i, t in enumerate(ds[field])]
+    texts = ds[field]
+    for i, t in enumerate(texts):
+        if t is not None and not isinstance(t, str):  # numbers, lists: a column that is not the text
+            raise ValueError(f"corpus {src!r}: row {i} of column {field!r} holds {type(t).__name__} {str(t)[:40]!r}, "
+                             "not text: set data.text_field to the column that holds the documents")
+    return [Document(name=f"{src}#{i}", text=t or "") for i, t in enumerate(texts)]
 
 
 def _data_file_documents(src: str, cfg: DataConfig) -> list[Document]:
@@ -143,15 +148,19 @@ def _data_file_documents(src: str, cfg: DataConfig) -> list[Document]:
         raise ValueError(f"corpus {src!r} has file types {sorted(exts)}: use files of one type among "
                          f"{sorted(_BUILDERS)} (or a directory, read one document per file)")
     ext = exts.pop()
+    files = [f for f in files if os.path.getsize(f) > 0]  # an empty file holds no document (and stops the parser)
+    if not files:
+        raise ValueError(f"corpus {src!r} is empty (0 bytes): name a file that holds documents")
     kwargs = {"sample_by": cfg.txt_sample_by} if ext == ".txt" else {}
     datasets.disable_progress_bars()  # a bar per split of a few local files is noise
     datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # its parse errors come back as ours, below
     try:
         ds = datasets.load_dataset(_BUILDERS[ext], data_files=files, split="train",
                                    cache_dir=str(cfg.resolved_cache_dir() / "hf_datasets"), **kwargs)
-    except datasets.exceptions.DatasetGenerationError as e:  # the parser's own error is its __cause__
-        raise ValueError(f"corpus {src!r} does not parse as {ext[1:]} ({type(e.__cause__).__name__}: "
-                         f"{str(e.__cause__)[:120]}): fix the file or name another data.corpus") from None
+    except (datasets.exceptions.DatasetGenerationError, ValueError) as e:  # the parser's own error is the cause
+        cause = e.__cause__ or e  # pyarrow's and an empty table's errors come as they are (ValueErrors)
+        raise ValueError(f"corpus {src!r} does not parse as {ext[1:]} ({type(cause).__name__}: "
+                         f"{str(cause)[:120]}): fix the file or name another data.corpus") from None
     return _dataset_documents(ds, "text" if ext == ".txt" else cfg.text_field, src)
 
 

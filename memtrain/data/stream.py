@@ -19,8 +19,10 @@ document attends only to itself: a canary copy anywhere in a row is seen exactly
 [EOS, canary] from position 0, whatever text precedes it in the row.
 
 The stream is a pure function of (corpus, tokenizer, seq_len, val_fraction, max_text_tokens, canary
-config, seed): no model or parallel setting enters, so every model size and every grid trains on the same
-bytes. It is cached under <cache>/streams/<key>, key = hash of all of these.
+config, seed, and the batch size its row count is rounded up to): no model or parallel setting enters, so every
+model size and every grid trains on the same bytes. Rounding the rows up to a whole number of batches means a
+pass trains every row (a short last batch would not split over the grid), so no canary copy sits where no step
+reaches it. It is cached under <cache>/streams/<key>, key = hash of all of these.
 """
 
 from __future__ import annotations
@@ -113,17 +115,12 @@ class TrainStream:
 
     def copies_seen(self, batch_size: int, steps: int) -> dict[str, int]:
         """Copies of each canary that `steps` optimizer steps at this batch size reach (max_steps may stop before
-        some, and a pass drops the rows after its last full batch: `dropped_copies`)."""
+        some; a stream built for another batch size may leave rows after its last full batch, which a pass
+        drops)."""
         per_epoch = len(self) // batch_size
         return {c.id: sum(1 for s in range(steps) for p in c.placements
                           if p.seq_index // batch_size == s % per_epoch and p.seq_index < per_epoch * batch_size)
                 for c in self.canaries}
-
-    def dropped_copies(self, batch_size: int) -> list[str]:
-        """Ids of the canary copies in the rows every pass drops (the row count is not a multiple of the batch:
-        a short last batch would not split over the grid), one entry per copy."""
-        trained = len(self) // batch_size * batch_size
-        return [c.id for c in self.canaries for p in c.placements if p.seq_index >= trained]
 
     def val_sequences(self, n_docs: int, max_tokens: int) -> list[list[int]]:
         """Whole held-out documents in rows as training reads text: each of the first `n_docs` as [EOS, *ids]
@@ -199,8 +196,10 @@ def occurrences(tokens: np.ndarray, ids: list[int]) -> list[int]:
     return found
 
 
-def build_stream(data_cfg: DataConfig, canary_cfg: CanaryConfig | None = None, seed: int = 0) -> TrainStream:
-    """Build (or load from cache) the training stream for these configs and seed."""
+def build_stream(data_cfg: DataConfig, canary_cfg: CanaryConfig | None = None, seed: int = 0,
+                 batch_size: int = 1) -> TrainStream:
+    """Build (or load from cache) the training stream for these configs and seed, its rows a whole number of
+    `batch_size` batches."""
     canary_cfg = canary_cfg if canary_cfg is not None else CanaryConfig(number=0)
     corpus = load_corpus(data_cfg)
     tok = load_tokenizer(data_cfg, corpus)
@@ -208,6 +207,8 @@ def build_stream(data_cfg: DataConfig, canary_cfg: CanaryConfig | None = None, s
     spec = {"version": FORMAT_VERSION, "corpus": corpus.fingerprint, "tokenizer": tokenizer_fingerprint(tok),
             "seq_len": data_cfg.seq_len, "val_fraction": data_cfg.val_fraction,
             "max_text_tokens": data_cfg.max_text_tokens, "canaries": asdict(canary_cfg), "seed": seed}
+    if batch_size > 1:  # batch 1 keeps the keys streams had before rows were rounded
+        spec["rows_multiple"] = batch_size
     key = _hash(spec)
     folder = cache / "streams" / key
     if not (folder / "meta.json").exists():
@@ -215,7 +216,7 @@ def build_stream(data_cfg: DataConfig, canary_cfg: CanaryConfig | None = None, s
             if not (folder / "meta.json").exists():
                 with stage(f"data: tokenizing {len(corpus.docs):,} documents and packing them into sequences of "
                            f"{data_cfg.seq_len} tokens"):
-                    _write_stream(folder, data_cfg, canary_cfg, seed, corpus, tok, {**spec, "key": key})
+                    _write_stream(folder, data_cfg, canary_cfg, seed, corpus, tok, {**spec, "key": key}, batch_size)
     meta = json.loads((folder / "meta.json").read_text())
     tokens = np.load(folder / "tokens.npy")
     canaries = [Canary.from_dict(d) for d in json.loads((folder / "canaries.json").read_text())]
@@ -224,7 +225,7 @@ def build_stream(data_cfg: DataConfig, canary_cfg: CanaryConfig | None = None, s
 
 
 def _write_stream(folder: Path, data_cfg: DataConfig, canary_cfg: CanaryConfig, seed: int, corpus, tok,
-                  meta: dict) -> None:
+                  meta: dict, batch_size: int) -> None:
     """Split the corpus, draw and place the canaries, pack, and write the stream's cache entry."""
     docs = _tokenized(corpus, tok, data_cfg.resolved_cache_dir())
     S, eos = data_cfg.seq_len, int(tok.eos_token_id)
@@ -254,7 +255,7 @@ def _write_stream(folder: Path, data_cfg: DataConfig, canary_cfg: CanaryConfig, 
         if len(c.token_ids) > S - 1 or len(c.twin_token_ids) > S - 1:
             L = max(len(c.token_ids), len(c.twin_token_ids))
             raise ValueError(f"canary {c.id} has {L} tokens but seq_len={S} fits at most {S - 1} (one "
-                             "position holds the EOS before it): shorten canary.length or raise data.seq_len")
+                             "position holds the EOS before it): shorten canaries.length or raise data.seq_len")
 
     train = [i for i in rest if i not in held]
     if not train:
@@ -268,6 +269,7 @@ def _write_stream(folder: Path, data_cfg: DataConfig, canary_cfg: CanaryConfig, 
     n_copies = sum(c.copies for c in canaries)
     need = len(text) + sum(c.copies * (len(c.token_ids) + 2) for c in canaries)
     n_seq = max(1, n_copies, -(-(need - 1) // S))  # every copy has a row of its own
+    n_seq = -(-n_seq // batch_size) * batch_size  # whole batches: every row is trained
     _place(canaries, n_seq, S, canary_cfg.placement, np.random.default_rng([seed, 2]))
     tokens = _pack(text, canaries, n_seq, S, eos)
 
@@ -306,7 +308,7 @@ def _place(canaries: list[Canary], n_seq: int, S: int, placement, rng: np.random
         elif placement == "random":
             offset = int(rng.integers(1, room + 1))
         elif placement > room:
-            raise ValueError(f"canary.placement={placement} puts canary {c.id} ({len(c.token_ids)} tokens) "
+            raise ValueError(f"canaries.placement={placement} puts canary {c.id} ({len(c.token_ids)} tokens) "
                              f"past seq_len={S}: use an offset in [1, {room}]")
         else:
             offset = placement

@@ -33,11 +33,13 @@ def load_tokenizer(cfg: DataConfig, corpus: Corpus) -> PreTrainedTokenizerBase:
     else:
         try:
             tok = AutoTokenizer.from_pretrained(cfg.tokenizer, trust_remote_code=False)
-        except (OSError, ValueError) as e:
-            offline = " (HF_HUB_OFFLINE is set: only local directories and cached ids work)" \
+        except Exception as e:  # noqa: BLE001 - a damaged file raises KeyError, TypeError, tokenizers' bare Exception
+            local = Path(cfg.tokenizer).is_dir()
+            why = " (a damaged or foreign tokenizer file?)" if local else \
+                " (HF_HUB_OFFLINE is set: only local directories and cached ids work)" \
                 if os.environ.get("HF_HUB_OFFLINE") else ""
-            raise ValueError(f"data.tokenizer={cfg.tokenizer!r} could not be loaded{offline}: "
-                             f"{str(e).splitlines()[0]}") from e
+            raise ValueError(f"data.tokenizer={cfg.tokenizer!r} could not be loaded{why}: {type(e).__name__}: "
+                             f"{(str(e).splitlines() or [''])[0][:200]}") from None
     if tok.eos_token_id is None:
         raise ValueError(f"data.tokenizer={cfg.tokenizer!r} has no EOS token: pick a tokenizer with one "
                          "(documents are separated by EOS)")
@@ -96,7 +98,11 @@ def _cached_bpe(corpus: Corpus, size: int, cache: Path) -> PreTrainedTokenizerFa
     key = hashlib.sha256(f"bpe-v{_BPE_VERSION}|{corpus.fingerprint}|{size}".encode()).hexdigest()[:20]
     path = cache / "tokenizers" / key / "tokenizer.json"
     if path.exists():
-        return _wrap(Tokenizer.from_file(str(path)))
+        try:
+            return _wrap(Tokenizer.from_file(str(path)))
+        except Exception as e:  # noqa: BLE001 - tokenizers raises a bare Exception for a damaged file
+            raise ValueError(f"the cached tokenizer {str(path)!r} is damaged ({str(e)[:120]}): delete its directory "
+                             "and it is trained again") from None
     texts = [d.text for d in corpus.docs]
     with stage(f"data: corpus {corpus.source!r}: {len(texts):,} documents, {count(sum(map(len, texts)))} chars; "
                f"training a byte-level BPE tokenizer (vocab {size:,})"):

@@ -42,7 +42,12 @@ class Source:
             raise FileNotFoundError(f"{str(path)!r} holds no *.safetensors weights: save the model with "
                                     "save_pretrained(safe_serialization=True) or pass a state dict")
         for f in files:
-            h = self._stack.enter_context(safe_open(str(f), framework="pt"))
+            try:
+                h = self._stack.enter_context(safe_open(str(f), framework="pt"))
+            except Exception as e:  # noqa: BLE001 - safetensors raises its own error type for a damaged file
+                self.close()
+                raise ValueError(f"weights file {str(f)!r} is not readable safetensors ({type(e).__name__}: {e}): "
+                                 "restore it, or save the model again") from None
             self._handles.update({k: h for k in h.keys()})
 
     def keys(self) -> list[str]:

@@ -13,25 +13,32 @@ collective against what the engine really issues: exit 0 when every exact figure
 
 from __future__ import annotations
 
+import argparse
 import json
 import time
 from pathlib import Path
 
-from memtrain.commandline import ArgumentParser, positive_int
+from memtrain import bounds
+from memtrain.commandline import ArgumentParser, at_most, positive_float, positive_int
 from memtrain.config import PARALLEL_MODES, PRECISIONS
 from memtrain.files import write_atomic
 from memtrain.plan.network import DEFAULT_MACHINE, load_network, measure
 from memtrain.plan.search import PlanConfig, plan, table, to_json
 from parallel import GRAD_SYNCS, resolve_degrees
 
+MESSAGE_MB = 4096.0
+"""The largest --sizes-mb message: a buffer every rank allocates."""
+
 
 def main(argv: list[str] | None = None) -> int | None:
     ap = ArgumentParser(prog="memtrain plan", description=__doc__.splitlines()[0])
     ap.add_argument("--model", help="named model or local HF directory")
-    ap.add_argument("--gpus", type=positive_int, help="number of GPUs (ranks) N")
-    ap.add_argument("--batch", type=positive_int, help="global batch in sequences (default: one per GPU)")
-    ap.add_argument("--seq", type=positive_int, default=2048, help="tokens per sequence (default 2048)")
-    ap.add_argument("--micro-batch", type=positive_int,
+    ap.add_argument("--gpus", type=at_most(positive_int, bounds.DEGREE), help="number of GPUs (ranks) N")
+    ap.add_argument("--batch", type=at_most(positive_int, bounds.SEQUENCES),
+                    help="global batch in sequences (default: one per GPU)")
+    ap.add_argument("--seq", type=at_most(positive_int, bounds.POSITIONS), default=2048,
+                    help="tokens per sequence (default 2048)")
+    ap.add_argument("--micro-batch", type=at_most(positive_int, bounds.SEQUENCES),
                     help="sequences per rank per forward/backward (default: the largest that fits)")
     ap.add_argument("--mode", default="auto", choices=PARALLEL_MODES)
     ap.add_argument("--precision", default="bf16", choices=[p for p in PRECISIONS if p != "auto"])
@@ -39,8 +46,8 @@ def main(argv: list[str] | None = None) -> int | None:
     ap.add_argument("--machine",
                     help=f"interconnect preset from memtrain/plan/machines.toml (default {DEFAULT_MACHINE})")
     ap.add_argument("--bandwidth", help="bandwidth table: JSON from --measure, or TOML with machines.toml's keys")
-    ap.add_argument("--gpus-per-node", type=positive_int)
-    ap.add_argument("--gpu-memory-gb", type=float)
+    ap.add_argument("--gpus-per-node", type=at_most(positive_int, bounds.DEGREE))
+    ap.add_argument("--gpu-memory-gb", type=at_most(positive_float, bounds.GPU_MEMORY_GB))
     ap.add_argument("--validate", action="store_true",
                     help="dry-run one step of a grid at full scale and check the planner's figures against it")
     ap.add_argument("--grid", help="--validate: DATA,X,Y,Z, one of them -1 to infer (--grid=-1,4,8,16); "
@@ -49,7 +56,7 @@ def main(argv: list[str] | None = None) -> int | None:
     ap.add_argument("--grad-sync", choices=GRAD_SYNCS,
                     help="--validate: the trainer's gradient sync (default the trainer's, parallel.grad_sync, when "
                          "the planner models it, else blocking)")
-    ap.add_argument("--steps", type=positive_int, default=1,
+    ap.add_argument("--steps", type=at_most(positive_int, 1000), default=1,
                     help="--validate: steps to run; the last is measured (default 1)")
     ap.add_argument("--top", type=positive_int, default=10, help="rows to print (default 10)")
     ap.add_argument("--json", help="write every fitting grid, ranked (--validate: the dry run), to this JSON file")
@@ -57,10 +64,10 @@ def main(argv: list[str] | None = None) -> int | None:
                     help="measure this machine's collectives and matmuls (under torchrun)")
     ap.add_argument("--out", default="bandwidth.json", help="--measure: where to write the table")
     ap.add_argument("--sizes-mb", default="0.25,1,4", help="--measure: message sizes in MiB")
-    ap.add_argument("--iters", type=positive_int, default=5, help="--measure: timed calls per size")
+    ap.add_argument("--iters", type=at_most(positive_int, 10_000), default=5, help="--measure: timed calls per size")
     args = ap.parse_args(argv)
     if args.measure:
-        return measure(args.out, [float(s) for s in args.sizes_mb.split(",")], args.iters)
+        return measure(args.out, message_sizes(args.sizes_mb), args.iters)
     if args.model is None or args.gpus is None:
         raise ValueError("plan needs --model NAME_OR_DIR and --gpus N (or --measure)")
     if args.json and Path(args.json).is_dir():
@@ -86,6 +93,14 @@ def main(argv: list[str] | None = None) -> int | None:
         write_atomic(args.json, json.dumps(to_json(plans, summary, cfg, net), indent=1) + "\n")
         print(f"wrote {args.json}")
     print(f"planned in {time.perf_counter() - start:.1f} s")
+
+
+def message_sizes(text: str) -> list[float]:
+    """--sizes-mb: comma-separated MiB, each finite, > 0 and at most MESSAGE_MB."""
+    try:
+        return [positive_float(s, MESSAGE_MB) for s in text.split(",")]
+    except argparse.ArgumentTypeError as e:
+        raise ValueError(f"--sizes-mb {text!r}: {e}: give sizes in MiB such as 0.25,1,4") from None
 
 
 def compute_text(net, precision: str) -> str:

@@ -21,6 +21,7 @@ import time
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
+from memtrain import bounds
 from memtrain.config import load_toml
 from memtrain.files import write_atomic
 from parallel import AXES, Grid
@@ -121,20 +122,76 @@ def load_network(machine: str | None = None, bandwidth: str | None = None, gpus_
         if not path.is_file():
             raise FileNotFoundError(f"bandwidth table {str(path)!r} does not exist: write one with "
                                     "`torchrun ... -m memtrain plan --measure --out FILE`")
-        text = path.read_text()
-        loaded = json.loads(text) if path.suffix == ".json" or text.lstrip().startswith("{") \
-            else load_toml(path, "bandwidth table")
+        loaded = _read_table(path)
         allowed = {f.name for f in fields(Network)}
         unknown = sorted(set(loaded) - allowed - {"backend", "world_size", "message_mb"})
         if unknown:
             raise ValueError(f"{str(path)!r}: unknown key {unknown[0]!r} (known: {', '.join(sorted(allowed))})")
         values.update({k: v for k, v in loaded.items() if k in allowed and v is not None})
+        _check_table(path, Network(**values))
     for key, value in (("gpus_per_node", gpus_per_node), ("gpu_memory_gb", gpu_memory_gb)):
         if value is not None:
             if value <= 0:
                 raise ValueError(f"--{key.replace('_', '-')}={value} is invalid: it must be positive")
             values[key] = value
     return Network(**values)
+
+
+def _read_table(path: Path) -> dict:
+    """A bandwidth table's keys: JSON (what --measure writes) or TOML, one line naming the file if it is neither."""
+    try:
+        text = path.read_bytes().decode("utf-8")
+        loaded = json.loads(text) if path.suffix == ".json" or text.lstrip().startswith("{") \
+            else load_toml(path, "bandwidth table")
+    except ValueError as e:  # UnicodeDecodeError and JSONDecodeError included
+        raise ValueError(f"bandwidth table {str(path)!r} is not JSON or TOML ({e}): write one with "
+                         "`memtrain plan --measure --out FILE`") from None
+    if not isinstance(loaded, dict):
+        raise ValueError(f"bandwidth table {str(path)!r} holds {type(loaded).__name__}, not a table of keys: write one "
+                         "with `memtrain plan --measure --out FILE`")
+    return loaded
+
+
+def _positive(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and 0 < x <= bounds.DEFAULT
+
+
+def _check_table(path: Path, net: Network) -> None:
+    """Every figure the planner divides by or interpolates in: finite and positive, the tables' shapes whole."""
+    def bad(key, why):
+        return ValueError(f"bandwidth table {str(path)!r}: {key} {why}: fix it, or measure again with "
+                          "`memtrain plan --measure`")
+
+    for key in ("gpu_memory_gb", "intra_node_gbps", "inter_node_gbps", "bf16_tflops", "fp32_tflops",
+                "matmul_efficiency"):
+        value = getattr(net, key)
+        if not _positive(value) or key == "matmul_efficiency" and value > 1:
+            raise bad(key, f"= {value!r} is not a finite number > 0" + " and <= 1" * (key == "matmul_efficiency"))
+    if isinstance(net.gpus_per_node, bool) or not isinstance(net.gpus_per_node, int) \
+            or not 1 <= net.gpus_per_node <= bounds.DEGREE:
+        raise bad("gpus_per_node", f"= {net.gpus_per_node!r} is not an integer in [1, {bounds.DEGREE}]")
+    for key in ("collectives", "matmuls"):
+        if not isinstance(getattr(net, key), dict) or not all(isinstance(v, dict) for v in getattr(net, key).values()):
+            raise bad(key, "is not a table of tables")
+    for op, places in net.collectives.items():
+        for place, sizes in places.items():
+            entries = sizes.items() if isinstance(sizes, dict) else [("?", sizes)]
+            for size, entry in entries:
+                if not (str(size).isdigit() and int(size) >= 1 and isinstance(entry, list) and len(entry) == 2
+                        and _positive(entry[0]) and (entry[1] == 0 or _positive(entry[1]))):
+                    raise bad(f"collectives.{op}.{place}", f"entry {size!r}: {entry!r} is not [GB/s > 0, latency us "
+                              ">= 0] for a group size >= 1")
+    for precision, table in net.matmuls.items():
+        dims = table.get("dims")
+        n = len(dims) if isinstance(dims, list) else 0
+        if n < 2 or not all(_positive(d) and isinstance(d, int) for d in dims) or dims != sorted(set(dims)):
+            raise bad(f"matmuls.{precision}.dims", "is not a list of two or more increasing sizes")
+        rates = table.get("gflops")
+        if not (isinstance(rates, list) and len(rates) == n and all(
+                isinstance(plane, list) and len(plane) == n and all(
+                    isinstance(row, list) and len(row) == n and all(map(_positive, row)) for row in plane)
+                for plane in rates)):
+            raise bad(f"matmuls.{precision}.gflops", f"is not a {n} x {n} x {n} table of GFLOP/s > 0")
 
 
 def inside_node(grid: Grid, axes, gpus_per_node: int) -> bool:

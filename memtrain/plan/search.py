@@ -10,6 +10,7 @@ group sits (network.py). MFU is the unsharded model's FLOPs over the predicted s
 
 from __future__ import annotations
 
+import math
 import os
 from collections import Counter
 from dataclasses import asdict, dataclass
@@ -80,7 +81,11 @@ def load_config(model: str):
     if os.path.isdir(model):
         from transformers import AutoConfig
 
-        return AutoConfig.from_pretrained(model)
+        try:
+            return AutoConfig.from_pretrained(model)
+        except Exception as e:  # noqa: BLE001 - a damaged config.json: ValueError, TypeError, huggingface_hub's own
+            raise ValueError(f"--model {model!r}: its config.json is not a model config transformers reads "
+                             f"({' '.join(str(e).split())[:200]}): restore it, or save the model again") from None
     return get_config(model)
 
 
@@ -92,9 +97,15 @@ def resolve_mode(config, mode: str) -> str:
     return mode
 
 
+def divisors(n: int) -> list[int]:
+    """The divisors of n, ascending: up to its square root, so a million GPUs or sequences take a millisecond."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return small + [n // d for d in reversed(small) if d * d != n]
+
+
 def factorizations(n: int):
     """Every (data, x, y, z) whose product is n."""
-    divs = [d for d in range(1, n + 1) if n % d == 0]
+    divs = divisors(n)
     for data in divs:
         for x in (d for d in divs if (n // data) % d == 0):
             for y in (d for d in divs if (n // data // x) % d == 0):
@@ -154,7 +165,7 @@ def plan(cfg: PlanConfig, net: Network) -> tuple[list[Plan], dict]:
             rejected[why] += 1
             continue
         local = cfg.batch // cost.rows_split(grid, mode)
-        micros = [cfg.micro_batch] if cfg.micro_batch else [m for m in range(local, 0, -1) if local % m == 0]
+        micros = [cfg.micro_batch] if cfg.micro_batch else divisors(local)[::-1]
         state = sum(cost.state_bytes(shape, grid, mode, cfg.param_bytes).values())
         for micro in micros:  # the largest micro-batch that fits: fewest weight gathers per step
             total = state + cost.activation_bytes(

@@ -20,13 +20,18 @@ are read the same way: a full tensor is a single piece at offset 0.
 
 A save writes into a temporary sibling renamed into place by rank 0 once every rank has voted its files
 complete, then `latest` is rewritten by rename: a crash leaves the previous checkpoint intact and never a
-half-written "latest". The directory must be on a file system every rank sees (as for DCP).
+half-written "latest". The directory must be on a file system every rank sees (as for DCP). A save that fails
+(a full disk on any rank) removes its temporary and raises an OSError naming the file: the previous checkpoint
+stays what `latest` names. After each save rank 0 deletes all but the newest `keep` checkpoints (`prune`).
+Files get the umask's mode, like every other file of a run (group-readable on a shared cluster).
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
+import re
 import shutil
 from collections import defaultdict
 from contextlib import ExitStack
@@ -37,7 +42,7 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 
 import parallel
-from memtrain.files import replace_dir, write_atomic
+from memtrain.files import replace_dir, respect_umask, write_atomic
 from memtrain.hf.slots import Source
 from memtrain.run_files import CHECKPOINTS, LATEST
 
@@ -119,11 +124,24 @@ def _vote(ok: bool, grid, device) -> bool:
     return flag.item() == 1.0
 
 
+def _save_file(tensors: dict, path: Path, shapes: dict) -> None:
+    """safetensors' save_file, with its I/O errors as the OSError they are (it raises its own error type, the
+    errno only in the message) and the file's mode as the umask says (it writes a private temporary)."""
+    try:
+        save_file(tensors, str(path), metadata={"shapes": json.dumps(shapes)})
+    except Exception as e:  # noqa: BLE001 - SafetensorError; anything but an OS error is re-raised as it was
+        code = re.search(r"\(os error (\d+)\)", str(e))  # "I/O error: No space left on device (os error 28)"
+        if code is None:
+            raise
+        raise OSError(int(code.group(1)), os.strerror(int(code.group(1))), str(path)) from None
+    respect_umask(path)
+
+
 def _write_rank_files(tmp: Path, plm, opt, rank: int) -> None:
     pieces, shapes = plm.shard_pieces()
     if pieces:
-        save_file({k: v.contiguous().cpu() for k, v in pieces.items()}, str(tmp / f"model-{rank:05d}.safetensors"),
-                  metadata={"shapes": json.dumps(shapes)})
+        _save_file({k: v.contiguous().cpu() for k, v in pieces.items()}, tmp / f"model-{rank:05d}.safetensors",
+                   shapes)
     del pieces
     moments, shapes = {}, {}
     for moment in MOMENTS:
@@ -132,7 +150,7 @@ def _write_rank_files(tmp: Path, plm, opt, rank: int) -> None:
             got, shapes = plm.shard_pieces(only=held.__contains__)
         moments.update({f"{moment}/{k}": v.contiguous().cpu() for k, v in got.items()})
     if moments:
-        save_file(moments, str(tmp / f"optimizer-{rank:05d}.safetensors"), metadata={"shapes": json.dumps(shapes)})
+        _save_file(moments, tmp / f"optimizer-{rank:05d}.safetensors", shapes)
 
 
 class _params_hold:
@@ -151,8 +169,9 @@ class _params_hold:
             p.data = d
 
 
-def save(run_dir: Path, plm, opt, sched, step: int, extra: dict) -> Path | None:
-    """Collective: every rank writes its pieces; rank 0 the state and the rename. Returns the directory on rank 0."""
+def save(run_dir: Path, plm, opt, sched, step: int, extra: dict, keep: int = 0) -> Path | None:
+    """Collective: every rank writes its pieces; rank 0 the state and the rename, then keeps the newest `keep`
+    checkpoints (0: all). Returns the directory on rank 0."""
     grid = plm.grid
     device = next(plm.parameters()).device
     root = Path(run_dir) / CHECKPOINTS
@@ -172,15 +191,43 @@ def save(run_dir: Path, plm, opt, sched, step: int, extra: dict) -> Path | None:
     if not _vote(error is None, grid, device):
         if grid.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(error, OSError):
+            raise _not_saved(error, step) from None
         raise error or OSError(f"saving checkpoint {str(final)!r} failed on another rank: see its error")
     if grid.rank != 0:
         return None
     state = dict(extra, step=step, scheduler=sched.state_dict(), rng=torch.get_rng_state().tolist(),
                  grid={a: getattr(grid, a) for a in parallel.AXES})
-    (tmp / "state.json").write_text(json.dumps(state))
-    replace_dir(tmp, final)
-    write_atomic(root / LATEST, final.name)
+    try:
+        (tmp / "state.json").write_text(json.dumps(state))
+        replace_dir(tmp, final)
+        write_atomic(root / LATEST, final.name)
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise _not_saved(e, step) from None
+    if keep:
+        prune(root, keep, step)
     return final
+
+
+def _not_saved(e: OSError, step: int) -> OSError:
+    """`e` (one line: the file and why), saying what it left: no checkpoint of `step`, `latest` as it was."""
+    if not e.strerror:
+        return e
+    return OSError(e.errno, f"{e.strerror}: the checkpoint of step {step} was not saved (`latest` still names the "
+                            "one before, which --resume continues from)", e.filename)
+
+
+def prune(root: Path, keep: int, newest: int) -> None:
+    """Delete all but the newest `keep` checkpoints up to step `newest`, the one `latest` names (later ones, which
+    a resume refuses to overwrite, are left for the user). Each goes by a rename to a temporary name first, so a
+    kill mid-delete leaves no half-deleted checkpoint that `latest`'s fallback could pick (the next save removes
+    the temporary)."""
+    steps = sorted((int(p.name[5:]), p) for p in root.glob("step_*") if re.fullmatch(r"step_\d+", p.name))
+    for _, path in [(s, p) for s, p in steps if s <= newest][:-keep]:
+        doomed = path.with_name(f".{path.name}.tmp-prune")
+        os.replace(path, doomed)
+        shutil.rmtree(doomed, ignore_errors=True)
 
 
 def latest(run_dir: Path) -> Path | None:
@@ -189,11 +236,25 @@ def latest(run_dir: Path) -> Path | None:
     root = run_dir / CHECKPOINTS
     pointer = root / LATEST
     if pointer.is_file():
-        path = root / pointer.read_text().strip()
+        try:
+            name = pointer.read_bytes().decode("ascii").strip()
+        except UnicodeDecodeError:
+            name = None
+        if name is None or not re.fullmatch(r"step_\d+", name):  # damaged: a guess could resume the wrong step
+            raise ValueError(f"{str(pointer)!r} is damaged (it must name a checkpoint directory, e.g. step_000100): "
+                             "write the name of the checkpoint to use into it, or delete it to use the newest one")
+        path = root / name
         if (path / "state.json").is_file():
             return path
     complete = sorted(p for p in root.glob("step_*") if (p / "state.json").is_file())
     return complete[-1] if complete else None
+
+
+def missing_optimizer(path: Path) -> list[str]:
+    """The optimizer files a checkpoint lacks: every rank that saved model pieces saved its AdamW moments beside
+    them (model-<r> and optimizer-<r>), so without one a resume would continue with fresh moments."""
+    wanted = [f.name.replace("model", "optimizer", 1) for f in _files(Path(path), "model")]
+    return [name for name in wanted if not (Path(path) / name).is_file()]
 
 
 def model_source(path: Path) -> CheckpointSource:
@@ -211,8 +272,10 @@ def load(path: Path, plm, opt=None) -> dict:
     path = Path(path)
     with model_source(path) as src:
         try:
-            state = json.loads((path / "state.json").read_text())
-        except json.JSONDecodeError as e:
+            state = json.loads((path / "state.json").read_bytes().decode("utf-8"))
+            if not isinstance(state, dict) or not isinstance(state.get("step"), int):
+                raise ValueError("no step saved")
+        except ValueError as e:  # JSONDecodeError and UnicodeDecodeError included
             raise ValueError(f"checkpoint {str(path)!r} has a corrupt state.json ({e}): use an earlier checkpoint "
                              "or re-run training") from None
         plm.load_hf_state_dict(src)

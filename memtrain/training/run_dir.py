@@ -2,21 +2,26 @@
 
 A fresh run refuses a directory that already holds another run's files (`--force` clears them first, so the new
 run starts clean, W&B id included); every trainer holds the directory's lock while it runs, so two trainers
-never write one directory; and `--resume` accepts only changes that leave what is already trained as it was.
+never write one directory; and `--resume` accepts only changes that leave what is already trained as it was, and
+only appends steps: it never rewrites a saved one (check_resume).
 """
 
 from __future__ import annotations
 
 import fnmatch
+import json
+import re
 import shutil
 from pathlib import Path
 
 from memtrain.config import RunConfig
+from memtrain.config import load as load_config
 from memtrain.files import file_lock
-from memtrain.run_files import OUTPUTS
+from memtrain.run_files import CHECKPOINTS, CONFIG, LOCK, OUTPUTS, RUN
+from memtrain.training import checkpoint
 
 RESUMABLE = ("train.max_steps", "train.epochs", "train.log_every", "train.checkpoint_every",
-             "train.checkpoint_every_min", "eval.*", "wandb.*", "parallel.*")
+             "train.checkpoint_every_min", "train.keep_checkpoints", "eval.*", "wandb.*", "parallel.*")
 """Keys a resumed run may change: how long it goes on, what it evaluates and logs, and the grid (checkpoints
 hold full tensors and load on any grid)."""
 
@@ -42,7 +47,7 @@ def hold(out: Path) -> None:
     path = out.resolve()
     if path in _HELD:
         return
-    lock = file_lock(path / ".lock", blocking=False)
+    lock = file_lock(path / LOCK, blocking=False)
     try:
         lock.__enter__()
     except BlockingIOError:
@@ -59,7 +64,85 @@ def release(out: Path) -> None:
 
 def resume_blockers(saved: RunConfig, cfg: RunConfig) -> list[str]:
     """The changed keys, as 'key (old -> new)', that a resume cannot take (see RESUMABLE)."""
-    a, b = saved.to_dict(), cfg.to_dict()
-    changed = [(f"{s}.{k}", a[s][k], b[s][k]) for s in a for k in a[s] if a[s][k] != b[s][k]]
+    return _blockers(saved.to_dict(), cfg.to_dict())
+
+
+def _blockers(a: dict, b: dict) -> list[str]:
+    a, b = json.loads(json.dumps(a)), json.loads(json.dumps(b))  # as run.json holds them: lists, not tuples
+    changed = [(f"{s}.{k}", v, b.get(s, {}).get(k)) for s, keys in a.items() if isinstance(keys, dict)
+               for k, v in keys.items()]
     return [f"{key} ({old!r} -> {new!r})" for key, old, new in changed
-            if not any(fnmatch.fnmatch(key, pattern) for pattern in RESUMABLE)]
+            if old != new and not any(fnmatch.fnmatch(key, pattern) for pattern in RESUMABLE)]
+
+
+def check_resume(out: Path, cfg: RunConfig) -> Path:
+    """The checkpoint `--resume` continues from, checked before anything is written. Refused, each with its fix: a
+    config.toml edited since the run (re)started (run.json records the config it trained with), a change outside
+    RESUMABLE, a checkpoint without its optimizer state, a step target before the saved step, and saved steps after
+    the one `latest` names: a resume continues the same run and appends steps, never rewriting a saved one."""
+    saved = out / CONFIG
+    if not saved.is_file():
+        raise FileNotFoundError(f"--resume: {str(out)!r} has no config.toml: it is not a run directory")
+    on_disk = load_config(saved)
+    info = _run_info(out / RUN)
+    edited = _blockers(info["config"], on_disk.to_dict()) if isinstance(info.get("config"), dict) else []
+    if edited:
+        raise ValueError(f"--resume: {str(saved)!r} was edited since the run started ({', '.join(edited)}): put back "
+                         "the values it trained with (the first of each pair), or train a new run into another --out")
+    blockers = resume_blockers(on_disk, cfg)
+    if blockers:
+        raise ValueError(f"--resume cannot change {', '.join(blockers)} of {str(saved)!r}: it would not "
+                         "continue the same run; resume with those values, or train into a new --out")
+    ckpt = checkpoint.latest(out)
+    if ckpt is None:
+        raise FileNotFoundError(f"--resume: no checkpoint in {str(out / CHECKPOINTS)!r} (the run stopped before its "
+                                "first save): start it again with --force")
+    fresh = f"or train a new run from its weights into another --out (--set model.init='{ckpt}')"
+    missing = checkpoint.missing_optimizer(ckpt)
+    if missing:
+        raise FileNotFoundError(f"--resume: checkpoint {str(ckpt)!r} lacks its optimizer state "
+                                f"({', '.join(missing[:3])}): restore those files, {fresh}")
+    step = _step(ckpt)
+    later = sorted(p.name for p in (out / CHECKPOINTS).glob("step_*")
+                   if re.fullmatch(r"step_\d+", p.name) and int(p.name[5:]) > step and (p / "state.json").is_file())
+    if later:
+        raise FileExistsError(f"--resume from {str(ckpt)!r} would rewrite the later checkpoints {', '.join(later[:3])}:"
+                              f" write the newest one's name into {str(out / CHECKPOINTS / 'latest')!r}, or move them "
+                              "out of the run")
+    t, trained = cfg.train, info.get("trained")
+    per_pass = trained.get("steps_per_pass") if isinstance(trained, dict) else None
+    ends = [(f"train.max_steps={t.max_steps}", t.max_steps)] if t.max_steps is not None else []
+    if isinstance(per_pass, int):
+        ends.append((f"train.epochs={t.epochs} ({per_pass} steps each)", per_pass * t.epochs))
+    short = [what for what, end in ends if end < step]
+    if short:
+        raise ValueError(f"--resume: {short[0]} ends before step {step}, which {str(ckpt)!r} holds already: resuming "
+                         f"would rewrite the run's checkpoints; resume with a later end, {fresh}")
+    return ckpt
+
+
+def _run_info(path: Path) -> dict:
+    """run.json as a dict ({} before the run wrote one)."""
+    if not path.is_file():
+        return {}
+    try:
+        info = json.loads(path.read_bytes())
+    except ValueError as e:  # UnicodeDecodeError included
+        raise ValueError(f"--resume: {str(path)!r} is damaged ({e}): restore it, or train a new run into another "
+                         "--out") from None
+    if not isinstance(info, dict):
+        raise ValueError(f"--resume: {str(path)!r} is not a JSON object: restore it, or train a new run into another "
+                         "--out")
+    return info
+
+
+def _step(ckpt: Path) -> int:
+    """The step a checkpoint saved (its state.json)."""
+    try:
+        step = json.loads((ckpt / "state.json").read_bytes()).get("step")
+    except (ValueError, AttributeError):
+        step = None
+    if not isinstance(step, int) or isinstance(step, bool):
+        raise ValueError(f"--resume: {str(ckpt / 'state.json')!r} is damaged (no step): point "
+                         f"{str(ckpt.parent / 'latest')!r} at an earlier checkpoint")
+    return step

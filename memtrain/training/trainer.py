@@ -9,6 +9,7 @@ resume, schedule, metrics, progress, checkpoints.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import resource
@@ -22,14 +23,13 @@ import torch
 import torch.distributed as dist
 
 import parallel
+from memtrain import signals
 from memtrain.config import RunConfig, to_toml
-from memtrain.config import load as load_config
 from memtrain.data import TrainStream, build_stream
 from memtrain.files import append_jsonl, atomic_dir, read_jsonl, write_atomic
 from memtrain.hf import ParallelLM, parallelize
 from memtrain.losses import keep_mask
 from memtrain.models import build_model
-from memtrain.progress import note
 from memtrain.run_files import CONFIG, METRICS, PASSES, RUN, TOKENIZER
 from memtrain.training import checkpoint, run_dir
 from memtrain.training.perf import matmul_peak_flops
@@ -53,6 +53,9 @@ class TrainResult:
     tracker: Tracker
     tokens_per_s: float | None = None
     """Median training throughput over the steps this process ran (None when it ran none: a finished run resumed)."""
+    final_val_loss: float | None = None
+    """Held-out loss of the final model as the per-pass probe scored it (None when no probe scored the last
+    step): evaluation reuses it rather than scoring the same documents again."""
 
 
 def _truncate_jsonl(path: Path, last_step: int) -> None:
@@ -88,7 +91,7 @@ def _build_stream_once_per_node(cfg: RunConfig, grid: parallel.Grid):
     stream, error = None, None
     if first:
         try:
-            stream = build_stream(cfg.data, cfg.canaries, seed=cfg.train.seed)
+            stream = _build(cfg)
         except (ValueError, OSError) as e:
             error = e
     if grid.world_size > 1:
@@ -99,14 +102,19 @@ def _build_stream_once_per_node(cfg: RunConfig, grid: parallel.Grid):
             raise ValueError("building the data stream failed on another node's first rank: see its error")
     if error is not None:
         raise error
-    return stream if first else build_stream(cfg.data, cfg.canaries, seed=cfg.train.seed)
+    return stream if first else _build(cfg)
+
+
+def _build(cfg: RunConfig) -> TrainStream:
+    return build_stream(cfg.data, cfg.canaries, seed=cfg.train.seed, batch_size=cfg.train.batch_size)
 
 
 def train(cfg: RunConfig, out_dir: str | Path, *, resume: bool = False, force: bool = False,
           on_setup: Callable[[TrainStream, ParallelLM], None] | None = None,
           on_step: Callable[[dict], None] | None = None) -> TrainResult:
     """Train one run into `out_dir` (run_dir.py: a fresh run refuses another run's files unless `force`; the
-    directory is locked for this process; `resume` continues from the newest complete checkpoint).
+    directory is locked for this process; `resume` continues from the newest complete checkpoint). SIGTERM, once
+    commandline.run_command handles it (memtrain/signals.py), stops the loop after the step in flight, saved.
 
     on_setup(stream, model): called once the parallelized model holds its initial weights (before resuming).
     on_step(record): called after every step with its metrics record (benchmarks interleave their own work).
@@ -121,14 +129,7 @@ def train(cfg: RunConfig, out_dir: str | Path, *, resume: bool = False, force: b
             raise FileExistsError(f"--out {str(out)!r} is a file: name a directory")
         out.mkdir(parents=True, exist_ok=True)
         run_dir.claim(out, resume=resume, force=force)
-    if resume:
-        saved = out / CONFIG
-        if not saved.is_file():
-            raise FileNotFoundError(f"--resume: {str(out)!r} has no config.toml: it is not a run directory")
-        blockers = run_dir.resume_blockers(load_config(saved), cfg)
-        if blockers:
-            raise ValueError(f"--resume cannot change {', '.join(blockers)} of {str(saved)!r}: it would not "
-                             "continue the same run; resume with those values, or train into a new --out")
+    ckpt = run_dir.check_resume(out, cfg) if resume else None  # before anything in `out` is written
     if grid.rank == 0:
         write_atomic(out / CONFIG, to_toml(cfg))
     if t.deterministic:
@@ -153,15 +154,10 @@ def train(cfg: RunConfig, out_dir: str | Path, *, resume: bool = False, force: b
     mb = t.micro_batch_size or n_local
     if n_local % mb:
         raise ValueError(f"train.micro_batch_size={mb} does not divide this rank's {n_local} sequences per step")
-    steps_per_epoch = len(stream) // B  # a short last batch would not split over the grid: dropped
+    steps_per_epoch = len(stream) // B  # the stream's rows are whole batches of B
     if steps_per_epoch < 1:
         raise ValueError(f"the stream has {len(stream)} sequences, fewer than train.batch_size={B}: "
                          "use a smaller batch or a larger corpus")
-    dropped = stream.dropped_copies(B)
-    if dropped:
-        note(f"warning: {len(dropped)} canary copies ({', '.join(sorted(set(dropped))[:3])}...) sit in the last "
-             f"{len(stream) % B} of the stream's {len(stream)} rows, which every pass drops (not a multiple of "
-             f"train.batch_size={B}): they are never trained, and evaluation counts only the copies seen")
     total = steps_per_epoch * t.epochs
     if t.max_steps is not None:
         total = min(total, t.max_steps)
@@ -171,9 +167,6 @@ def train(cfg: RunConfig, out_dir: str | Path, *, resume: bool = False, force: b
     start = 0
     metrics_path, passes_path = out / METRICS, out / PASSES
     if resume:
-        ckpt = checkpoint.latest(out)
-        if ckpt is None:
-            raise FileNotFoundError(f"--resume: no checkpoint in {str(out / 'checkpoints')!r}")
         state = checkpoint.load(ckpt, plm, opt)
         sched.load_state_dict(state["scheduler"])
         for group, lr in zip(opt.param_groups, sched.get_last_lr()):  # load_state_dict leaves these stale
@@ -191,7 +184,8 @@ def train(cfg: RunConfig, out_dir: str | Path, *, resume: bool = False, force: b
         write_atomic(out / RUN, json.dumps({
             "stream_key": stream.key, "trained": trained, "grid": {a: getattr(grid, a) for a in parallel.AXES},
             "mode": plm.mode, "params": plm.num_params(), "hidden_size": plm.config.hidden_size,
-            "lr": peak_lr(cfg, plm.config.hidden_size), "precision": "bf16" if amp else "fp32"}))
+            "lr": peak_lr(cfg, plm.config.hidden_size), "precision": "bf16" if amp else "fp32",
+            "config": cfg.to_dict()}))  # what a resume checks config.toml against (run_dir.check_resume)
         with atomic_dir(out / TOKENIZER) as tmp:  # `memtrain export` then needs neither cache nor corpus
             stream.tokenizer.save_pretrained(tmp)
 
@@ -199,57 +193,93 @@ def train(cfg: RunConfig, out_dir: str | Path, *, resume: bool = False, force: b
     flops_per_token = 6 * plm.num_params()
     last: dict = {}
     rates: list[float] = []
-    progress = _progress(grid, start, total)
     tracker = Tracker.start(cfg, out, grid.rank)
     saved_at = _clock()
+    save_s = None  # how long the last save took: whether one on SIGTERM is cheap
+
+    def save(step: int) -> float:
+        """Collective: checkpoint `step` (keeping the newest train.keep_checkpoints); its duration in seconds."""
+        t0 = time.perf_counter()
+        checkpoint.save(out, plm, opt, sched, step, {"config_digest": cfg.digest()}, keep=t.keep_checkpoints)
+        return time.perf_counter() - t0
+
+    probed: dict = {}  # step -> held-out loss the probe measured
 
     def probe(step: int) -> None:
         """Score the model after `step` steps (a whole number of passes; 0: the starting model)."""
         scores = {"pass": step // steps_per_epoch, "step": step, **pass_scores(plm, stream, cfg)}
+        probed[step] = scores.get("val_loss")
         if grid.rank == 0:
             append_jsonl(passes_path, scores)
             tracker.log({"pass": {k: v for k, v in scores.items() if k != "canaries"}}, step)
 
     if cfg.eval.every_pass and start == 0:
         probe(0)
-    for step in range(start, total):
-        t0 = time.perf_counter()
-        batch = stream.batch(step % steps_per_epoch, B)
-        keep = keep_mask(batch["labels"], batch["doc_pos"], cfg.loss)
-        lr = sched.get_last_lr()[0]
-        sums, norm = train_step(plm, grid, opt, batch["input_ids"], batch["labels"], keep, mb,
-                                position_ids=batch.get("position_ids"), amp=amp, overlap=p.overlap,
-                                grad_sync=p.grad_sync, grad_clip=t.grad_clip)
-        sched.step()
-        dt = time.perf_counter() - t0
-        tokens = B * stream.seq_len
-        record = {
-            "step": step + 1, "loss": sums.kept_mean(), "lr": lr,
-            "tokens": tokens * (step + 1), "tokens_per_s": tokens / dt, "step_time_s": dt,
-            "grad_norm": float(norm), "kept_fraction": sums.kept_fraction(), "loss_dropped": sums.dropped_mean(),
-            "mfu": flops_per_token * tokens / dt / (peak * grid.world_size), "memory_mb": _memory_mb(device),
-            "epoch": step // steps_per_epoch,
-        }
-        last = record
-        rates.append(record["tokens_per_s"])
-        if grid.rank == 0 and ((step + 1) % t.log_every == 0 or step + 1 == total):
-            append_jsonl(metrics_path, record)
-            tracker.log(record, step + 1)
-        progress(record)
-        if on_step is not None:
-            on_step(record)
-        if cfg.eval.every_pass and (step + 1) % steps_per_epoch == 0:
-            probe(step + 1)
-        by_steps = bool(t.checkpoint_every) and (step + 1) % t.checkpoint_every == 0
-        if step + 1 < total and (by_steps or checkpoint_due(grid, saved_at, t.checkpoint_every_min, device)):
-            checkpoint.save(out, plm, opt, sched, step + 1, {"config_digest": cfg.digest()})
-            saved_at = _clock()
-    checkpoint.save(out, plm, opt, sched, total, {"config_digest": cfg.digest()})
+    with signals.deferred(), _progress(grid, start, total) as progress:  # SIGTERM: stop at a step boundary, saved
+        for step in range(start, total):
+            t0 = time.perf_counter()
+            batch = stream.batch(step % steps_per_epoch, B)
+            keep = keep_mask(batch["labels"], batch["doc_pos"], cfg.loss)
+            lr = sched.get_last_lr()[0]
+            sums, norm = train_step(plm, grid, opt, batch["input_ids"], batch["labels"], keep, mb,
+                                    position_ids=batch.get("position_ids"), amp=amp, overlap=p.overlap,
+                                    grad_sync=p.grad_sync, grad_clip=t.grad_clip)
+            sched.step()
+            dt = time.perf_counter() - t0
+            tokens = B * stream.seq_len
+            record = {
+                "step": step + 1, "loss": sums.kept_mean(), "lr": lr,
+                "tokens": tokens * (step + 1), "tokens_per_s": tokens / dt, "step_time_s": dt,
+                "grad_norm": float(norm), "kept_fraction": sums.kept_fraction(), "loss_dropped": sums.dropped_mean(),
+                "mfu": flops_per_token * tokens / dt / (peak * grid.world_size), "memory_mb": _memory_mb(device),
+                "epoch": step // steps_per_epoch,
+            }
+            last = record
+            rates.append(record["tokens_per_s"])
+            if grid.rank == 0 and ((step + 1) % t.log_every == 0 or step + 1 == total):
+                append_jsonl(metrics_path, record)
+                tracker.log(record, step + 1)
+            progress(record)
+            if on_step is not None:
+                on_step(record)
+            if cfg.eval.every_pass and (step + 1) % steps_per_epoch == 0:
+                probe(step + 1)
+            by_steps = bool(t.checkpoint_every) and (step + 1) % t.checkpoint_every == 0
+            stop, cheap = sigterm_agreed(grid, device, save_s)
+            saved = step + 1 < total and (by_steps or stop and cheap
+                                          or checkpoint_due(grid, saved_at, t.checkpoint_every_min, device))
+            if saved:
+                save_s = save(step + 1)
+                saved_at = _clock()
+            if stop and step + 1 < total:
+                raise signals.Terminated(f"terminated by SIGTERM after step {step + 1}, " + (
+                    "its checkpoint saved" if saved else f"not saved (a save takes over {SIGTERM_SAVE_S:.0f} s, "
+                    "longer than a scheduler waits after SIGTERM)") + f": {signals.RESUME_HINT} (--out {out})")
+        if total > start:  # a finished run resumed (to evaluate it again) has its final checkpoint already
+            save(total)
+        if sigterm_agreed(grid, device, save_s)[0]:
+            raise signals.Terminated(f"terminated by SIGTERM after the last step, its checkpoint saved: evaluation did "
+                                     f"not run; {signals.RESUME_HINT} (--out {out}), which runs it")
     return TrainResult(out, total, last, grid, plm, stream, tracker,
-                       statistics.median(rates) if rates else None)
+                       statistics.median(rates) if rates else None, probed.get(total))
 
 
 _clock = time.monotonic  # the time-based checkpoints' clock (tests replace it)
+SIGTERM_SAVE_S = 20.0
+"""On SIGTERM a run saves its step unless its last save took longer: SLURM's KillWait and torchrun's grace, the
+time between SIGTERM and SIGKILL, are 30 s by default (a save cut short by SIGKILL leaves the previous one)."""
+
+
+def sigterm_agreed(grid, device: torch.device, save_s: float | None) -> tuple[bool, bool]:
+    """(whether SIGTERM reached any rank (signals.pending), whether saving on it is cheap: no rank's last save,
+    `save_s` seconds here, took over SIGTERM_SAVE_S), agreed by all: they stop after the same step and enter the
+    save together or not at all, even when the launcher signalled only some of them (scancel of one task)."""
+    flags = [signals.pending(), save_s is not None and save_s > SIGTERM_SAVE_S]
+    if grid.world_size > 1:
+        both = torch.tensor([float(f) for f in flags], device=device)
+        dist.all_reduce(both, op=dist.ReduceOp.MAX)  # bookkeeping, like checkpoint_due: not in the ledger
+        flags = [bool(f) for f in both.tolist()]
+    return flags[0], not flags[1]
 
 
 def checkpoint_due(grid, saved_at: float, minutes: float, device: torch.device) -> bool:
@@ -266,18 +296,21 @@ def checkpoint_due(grid, saved_at: float, minutes: float, device: torch.device) 
     return due
 
 
+@contextlib.contextmanager
 def _progress(grid, start: int, total: int):
-    """A tqdm bar on global rank 0 only; other ranks stay silent."""
+    """A tqdm bar on global rank 0 only (other ranks stay silent), cleared when the block ends, by an error too:
+    the error's line then starts where the bar was instead of after it."""
     if grid.rank != 0:
-        return lambda record: None
+        yield lambda record: None
+        return
     from tqdm import tqdm
 
-    bar = tqdm(total=total, initial=start, unit="step", dynamic_ncols=True, leave=False)
+    with tqdm(total=total, initial=start, unit="step", dynamic_ncols=True, leave=False) as bar:
 
-    def update(record):
-        bar.update(1)
-        bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}")
-        if record["step"] == total:
-            bar.close()
+        def update(record):
+            bar.update(1)
+            bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}")
+            if record["step"] == total:
+                bar.close()
 
-    return update
+        yield update

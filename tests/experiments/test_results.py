@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from experiments.results import RESULTS, latest_by_point, make_record
+from experiments.results import RESULTS, arm_label, latest_by_point, make_record
 from experiments.sweep import spec as specs
 from memtrain.files import append_jsonl, read_jsonl
 
@@ -47,3 +47,14 @@ def test_a_run_without_its_evaluation_is_a_failure_and_the_last_line_wins(tmp_pa
     append_jsonl(results, dict(record, status="ok", error=None))
     rows = read_jsonl(results)
     assert len(rows) == 2 and list(latest_by_point(rows).values()) == [rows[1]]
+
+
+def test_a_named_axis_that_sets_the_loss_names_its_arm():
+    arms = [{"label": "goldfish k=4", "loss.kind": "goldfish", "loss.k": 4},
+            {"label": "goldfish k=4, 4/3 text", "loss.kind": "goldfish", "loss.k": 4, "data.max_text_tokens": 400}]
+    spec = specs.parse_spec({"sweep": {"name": "r"}, "axes": {"arm": arms, "seeds": [1]}})
+    points = specs.expand(spec)
+    assert [arm_label(p) for p in points] == ["goldfish k=4", "goldfish k=4, 4/3 text"]  # not pooled in a report
+    assert points[1].cfg.data.max_text_tokens == 400 and points[1].cfg.loss.k == 4
+    plain = specs.expand(specs.parse_spec({"sweep": {"name": "r"}, "axes": {"seeds": [1, 2]}}))
+    assert {arm_label(p) for p in plain} == {"standard"}  # no arm axis: the loss label

@@ -126,3 +126,35 @@ def checkpoint_files(step_dir: Path) -> dict:
 
     files = sorted(Path(step_dir).glob("*.safetensors"))
     return {f"{f.name}/{k}": v for f in files for k, v in load_file(str(f)).items()}
+
+
+def snapshot(root) -> dict:
+    """Every file under `root` (a link: its target), by relative path: what a refused command must leave alone."""
+    files = {}
+    for dirpath, _, names in os.walk(root):
+        for name in names:
+            path = os.path.join(dirpath, name)
+            if os.path.islink(path):
+                files[os.path.relpath(path, root)] = os.readlink(path)
+                continue
+            with open(path, "rb") as f:
+                files[os.path.relpath(path, root)] = f.read()
+    return files
+
+
+def unchanged(before: dict, root) -> bool:
+    """Every file of `before` as it was (new files, such as a cache's or a run's lock, may appear)."""
+    after = snapshot(root)
+    return {path: after.get(path) for path in before} == before
+
+
+def refused(r, expect: str) -> str:
+    """The error line of a refused command: non-zero exit, exactly one `memtrain: error:` line, the last on stderr
+    (progress lines may come before it), naming `expect`, and no traceback."""
+    errors = [line for line in r.stderr.splitlines() if "error" in line.lower()]
+    assert r.returncode != 0, r.stdout[-2000:]
+    assert "Traceback" not in r.stderr, r.stderr[-3000:]
+    assert len(errors) == 1 and errors[0].startswith("memtrain: error:"), r.stderr[-3000:]
+    assert r.stderr.strip().splitlines()[-1] == errors[0], r.stderr[-3000:]
+    assert expect in errors[0], errors[0]
+    return errors[0]

@@ -127,7 +127,8 @@ def on_two_ranks(recipe, tmp_path_factory):
 
 def test_only_global_rank_0_reports(on_two_ranks):
     """Two ranks under torchrun: the corpus is read on both (skipped files found on both), every line once. The
-    time-based checkpoint every step (rank 0's clock, broadcast) runs the collective save on both ranks alike."""
+    time-based checkpoint every step (rank 0's clock, broadcast) runs the collective save on both ranks alike, and
+    rank 0 keeps the newest three (train.keep_checkpoints)."""
     r, out = on_two_ranks
     lines = _lines(r.stderr)
     assert len(_starting(lines, "data: skipped 2 files")) == 1, r.stderr[-3000:]
@@ -135,7 +136,7 @@ def test_only_global_rank_0_reports(on_two_ranks):
                  "validation loss", "done in"):
         assert len(_starting(lines, f"eval: {what}")) == 1, (what, r.stderr[-3000:])
     assert [x for x in r.stdout.splitlines() if x.startswith("done: ")] == [_expected_summary(out, True)]
-    assert sorted(p.name for p in (out / "checkpoints").glob("step_*")) == [f"step_00000{i}" for i in range(1, 7)]
+    assert sorted(p.name for p in (out / "checkpoints").glob("step_*")) == [f"step_00000{i}" for i in range(4, 7)]
 
 
 def _rows(out):

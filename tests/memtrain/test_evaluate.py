@@ -52,17 +52,6 @@ def buried(tmp_path_factory):
     return build_stream(data, CanaryConfig(number=4, copies=[2], length=24, placement="random"), seed=3)
 
 
-def test_copies_in_rows_a_pass_drops_are_named_and_not_counted_as_seen(buried):
-    rows = len(buried)
-    placed = sorted(p.seq_index for c in buried.canaries for p in c.placements)
-    batch = next(b for b in range(2, rows) if rows % b and placed[-1] >= rows // b * b)  # the last copy dropped
-    dropped = buried.dropped_copies(batch)
-    assert dropped and len(dropped) == sum(i >= rows // batch * batch for i in placed)
-    seen = buried.copies_seen(batch, steps=rows // batch)  # one full pass
-    assert sum(seen.values()) == len(placed) - len(dropped)
-    assert all(seen[c] < 2 for c in set(dropped))  # two copies each were inserted
-
-
 def _models(vocab):
 
     plm = parallelize(build_model("width-64", vocab, device="meta", initializer_range=0.3), GRID, seed=5)

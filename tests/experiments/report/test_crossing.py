@@ -109,3 +109,43 @@ def test_size_trend_known_answer_and_censored_sizes():
     assert censored["slope_interval"] == (-math.inf, math.inf) and censored["dose_one_params"] == math.inf
     band = extrapolation_band(units, {"small": 1e5, "flat": 1e6}, n_boot=50)
     assert band["band"] is None  # unbounded: no number to print
+
+
+def _curves(by_seed: dict[int, dict[str, list[int]]], cluster: bool = True) -> list[dict]:
+    """One unit per (seed, canary, dose 1, 2, ...) from each canary's 0/1 curve; with the "canary" key or not."""
+    return [{"seed": s, "id": cid, "dose": dose, "y": float(y), **({"canary": cid} if cluster else {})}
+            for s, curves in by_seed.items() for cid, ys in curves.items() for dose, y in enumerate(ys, 1)]
+
+
+def test_canary_clusters_are_drawn_with_their_whole_curve():
+    units = _curves({1: {"a": [0, 1, 1], "b": [0, 0, 0]}, 2: {"c": [0, 1, 1], "d": [1, 1, 1]}})
+    for sample in cluster_resamples(units, n_boot=50, seed=3):
+        assert len(sample) == len(units)
+        for s in {u["seed"] for u in sample}:
+            mine = [u for u in sample if u["seed"] == s]
+            assert len(mine) % 6 == 0  # a drawn seed brings 2 canaries, each with its 3 doses
+            for cid in {u["canary"] for u in mine}:
+                doses = sorted(u["dose"] for u in mine if u["canary"] == cid)
+                assert doses == sorted([1, 2, 3] * (len(doses) // 3))
+
+
+def test_canary_clusters_known_answers():
+    def rate(dose):
+        return lambda sample: float(np.mean([u["y"] for u in sample if u["dose"] == dose]))
+
+    # every canary of every seed has the same curve: nothing to resample, a zero-width interval
+    same = _curves({s: {f"c{i}": [0, 1, 1] for i in range(4)} for s in (1, 2, 3)})
+    assert bootstrap(same, rate(2), n_boot=200) == (1.0, 1.0)
+    trend = size_trend([dict(u, big=u["y"]) for u in same], {"big": 1e6}, 0.5, log=False, n_boot=100)
+    assert trend["sizes"]["big"]["crossing"].value == pytest.approx(1.5)
+    assert trend["sizes"]["big"]["interval"] == pytest.approx((1.5, 1.5))
+    # one seed whose two canaries differ (always vs never exact): a replicate draws aa, ab or bb, so the rate's
+    # interval spans both curves
+    apart = _curves({1: {"a": [1, 1], "b": [0, 0]}})
+    assert bootstrap(apart, rate(1), n_boot=400) == (0.0, 1.0)
+    # a canary's doses move together: the rate at dose 1 minus at dose 2 is 0 in every replicate; drawn per
+    # dose instead (no "canary" key: the single-pass way), the two doses vary apart
+    diff = lambda sample: rate(1)(sample) - rate(2)(sample)  # noqa: E731
+    assert bootstrap(apart, diff, n_boot=400) == (0.0, 0.0)
+    lo, hi = bootstrap(_curves({1: {"a": [1, 1], "b": [0, 0]}}, cluster=False), diff, n_boot=400)
+    assert lo < 0 < hi

@@ -12,7 +12,8 @@ COPIES = (1, 2, 4, 8, 16, 32)
 
 def _record(model: str, params: float, loss: str, seed: int, rate_at, drop: float) -> dict:
     """A finished one-pass run: 4 canaries per copies level, round(4 rate_at(copies)) of them exact; a member's
-    suffix loss falls by `drop` + 0.1 over the pass, its twin's by 0.1 (so the twin-controlled drop is `drop`)."""
+    suffix loss falls by `drop` + 0.1 over the pass, its twin's by 0.1 (so the twin-controlled drop is `drop`);
+    held-out loss 5.0 before the pass and 5.0 + 0.1 * seed after it."""
     ids, canaries = [], []
     for c in COPIES:
         for i in range(4):
@@ -23,11 +24,13 @@ def _record(model: str, params: float, loss: str, seed: int, rate_at, drop: floa
     cols = lambda after: {  # noqa: E731
         "id": [i for i, _ in ids] + [i + "-twin" for i, _ in ids],
         "inserted": [True] * len(ids) + [False] * len(ids), "exact": [False] * 2 * len(ids),
+        "copies": [c for _, c in ids] * 2,
         "suffix_loss": [5.0 - (drop + 0.1 if after else 0)] * len(ids) + [5.0 - (0.1 if after else 0)] * len(ids),
         "suffix_loss_dropped": [None] * 2 * len(ids), "suffix_loss_kept": [None] * 2 * len(ids)}
     return {"sweep": "t", "point": f"{model}_{loss}_{seed}", "status": "ok", "model": model, "params": params,
             "loss": loss, "seed": seed, "eval": {"exact_match_rate": 0.0}, "canaries": canaries,
-            "passes": [{"pass": 0, "canaries": cols(False)}, {"pass": 1, "canaries": cols(True)}]}
+            "passes": [{"pass": 0, "canaries": cols(False), "val_loss": 5.0},
+                       {"pass": 1, "canaries": cols(True), "val_loss": 5.0 + 0.1 * seed}]}
 
 
 @pytest.fixture(scope="module")
@@ -68,6 +71,38 @@ def test_dose_response_finds_fewer_copies_for_the_larger_model_and_censors_goldf
     assert all(s["crossing"].above == 32 for s in gold.values())
 
 
+def test_utility_is_the_held_out_loss_change_over_the_pass_with_an_interval_over_seeds(rows):
+    got = {(u["loss"], u["model"]): u for u in single_pass.utility(rows)}
+    u = got[("standard", "large")]
+    assert u["runs"] == 3 and u["base"] == pytest.approx(5.0) and u["after"] == pytest.approx(5.2)
+    mean, lo, hi = u["delta"]
+    assert mean == pytest.approx(0.2) and 0.1 - 1e-9 <= lo < 0.2 < hi <= 0.3 + 1e-9 and u["worst"] == pytest.approx(0.3)
+
+
+def test_roc_auc_and_tpr_at_one_percent_fpr_known_answers():
+    got = single_pass._roc([3.0, 2.0, 1.0, 0.5], [0.0, 1.0, 1.5, 0.2])
+    assert got["auc"] == pytest.approx((4 + 4 + 2.5 + 2) / 16)  # 1.0 ties with one twin: half a pair
+    assert got["tpr_at_1pct_fpr"] == 0.5 and got["fpr_max"] == 0  # above every twin: 3.0 and 2.0
+    many = single_pass._roc([5.0, 0.988], [i / 200 for i in range(200)])  # 2 false positives allowed of 200
+    assert many["fpr_max"] == 0.01 and many["tpr_at_1pct_fpr"] == 1.0  # 0.988 beats all but 0.99 and 0.995
+
+
+def test_membership_at_one_exposure_pairs_members_seen_once_with_every_twin(rows):
+    got = {(m["loss"], m["model"]): m for m in single_pass.mia_one_exposure(rows)}
+    m = got[("standard", "large")]["attack_calibrated"]
+    assert m["n_members"] == 3 * 4 and m["n_twins"] == 3 * 24  # 4 canaries seen once per seed; every twin
+    assert m["auc"] == 1.0 and m["tpr_at_1pct_fpr"] == 1.0  # a member's drop 0.7 vs a twin's 0.1
+
+
+def test_training_order_pools_the_runs_spearman_weighted_by_members():
+    rows = [{"status": "ok", "model": "m", "params": 1e5, "loss": "standard", "seed": seed,
+             "eval": {"order_effect": {"mean": rho, "n": n}}} for seed, rho, n in ((1, 0.6, 10), (2, 0.0, 30))]
+    rows.append(dict(rows[0], seed=3, eval={"order_effect": {"mean": None, "n": 0}}))  # no level had 4 members
+    (got,) = single_pass.training_order(rows)
+    assert got["runs"] == 2 and got["n"] == 40 and got["rho"] == pytest.approx(0.15)
+    assert (got["lo"], got["hi"]) == (0.0, 0.6)
+
+
 def test_the_report_leads_with_the_single_pass_section_and_writes_csv_pdf_svg(rows, tmp_path):
     import json
 
@@ -76,6 +111,8 @@ def test_the_report_leads_with_the_single_pass_section_and_writes_csv_pdf_svg(ro
     text = made["report"].read_text()
     assert text.index("## One pass") < text.index("## Runs")
     assert "> 32" in text and "unbounded by these data" in text
+    assert "**One exposure.**" in text and "Held-out loss of the base models" in text
+    assert "### Membership inference at one exposure" in text
     for name in ("one_exposure", "dose_response"):
         for suffix in (".png", ".pdf", ".svg", ".csv"):
             assert (tmp_path / "figures" / f"{name}{suffix}").is_file()

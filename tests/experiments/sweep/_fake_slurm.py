@@ -1,7 +1,9 @@
-"""A stand-in SLURM on this machine: `sbatch`, `srun` and `sacct` scripts that do what the cluster's do for one
-node, enough for submitit's SlurmExecutor and SlurmJob to submit, run and follow real jobs. sbatch runs the
+"""A stand-in SLURM on this machine: `sbatch`, `srun`, `sacct` and `squeue` scripts that do what the cluster's do
+for one node, enough for submitit's SlurmExecutor and SlurmJob to submit, run and follow real jobs. sbatch runs the
 script in the background with the job's SLURM_* variables; srun starts the job's tasks (SLURM_PROCID,
-SLURM_LOCALID, ...) with their output in the --output/--error files; sacct reads the state sbatch recorded."""
+SLURM_LOCALID, ...) with their output in the --output/--error files; sacct and squeue read the state sbatch
+recorded (squeue, as a cluster's after a few minutes, no longer lists an ended job). Without accounting, sacct
+fails as on a cluster whose job accounting is off."""
 
 from __future__ import annotations
 
@@ -64,11 +66,30 @@ SACCT = '''
             print(f"{job}|{f.read_text().strip()}|localhost")
 '''
 
+NO_ACCOUNTING = '''
+    import sys
+    print("sacct: error: Slurm accounting storage is disabled", file=sys.stderr)
+    sys.exit(1)
+'''
 
-def install(bin_dir: Path) -> Path:
-    """Write sbatch, srun and sacct into bin_dir (put it first on PATH; set FAKE_SLURM_STATE)."""
+SQUEUE = '''
+    import os, sys
+    from pathlib import Path
+    args = sys.argv[1:]
+    f = Path(os.environ["FAKE_SLURM_STATE"]) / f"{args[args.index('-j') + 1]}.state"
+    state = f.read_text().strip() if f.is_file() else ""
+    if state not in ("PENDING", "RUNNING"):
+        print("slurm_load_jobs error: Invalid job id specified", file=sys.stderr)
+        sys.exit(1)
+    print(state)
+'''
+
+
+def install(bin_dir: Path, accounting: bool = True) -> Path:
+    """Write sbatch, srun, sacct and squeue into bin_dir (put it first on PATH; set FAKE_SLURM_STATE)."""
     bin_dir.mkdir(parents=True, exist_ok=True)
-    for name, body in (("sbatch", SBATCH), ("srun", SRUN), ("sacct", SACCT)):
+    sacct = SACCT if accounting else NO_ACCOUNTING
+    for name, body in (("sbatch", SBATCH), ("srun", SRUN), ("sacct", sacct), ("squeue", SQUEUE)):
         path = bin_dir / name
         path.write_text(f"#!{sys.executable}\n" + textwrap.dedent(body))
         path.chmod(0o755)

@@ -285,3 +285,26 @@ def test_slurm_jobs_through_a_stand_in_slurm(env, monkeypatch, capsys):
     assert cli.main(argv + ["--resume"]) == 0
     assert f"job {job_id} still queued or running: waiting for it" in capsys.readouterr().out
     assert [r["job"]["id"] for r in results(other)] == [job_id]
+
+
+def test_without_job_accounting_a_job_that_died_without_its_result_is_not_waited_for(env, monkeypatch, capsys):
+    """Where sacct refuses (job accounting off), submitit cannot tell a job that died before writing its result
+    (here its task is killed, as a lost node would leave it) from one still running: squeue can, and the sweep
+    records the point failed a few polls later instead of waiting forever; --resume runs it again."""
+    fake_slurm.install(env["tmp"] / "bin", accounting=False)
+    monkeypatch.setenv("PATH", f"{env['tmp'] / 'bin'}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("FAKE_SLURM_STATE", str(env["tmp"] / "slurm"))
+    monkeypatch.setenv("FAKE_KILL", "ladder-1m_standard")
+    monkeypatch.setenv("FAKE_KILL_MARK", str(env["tmp"] / "killed"))
+    out = env["tmp"] / "runs"
+    argv = [str(env["spec"]), "--out", str(out), "--runner", env["runner"], "--no-report", "--only",
+            "ladder-1m_standard", "--launcher", "slurm", "--partition", "cpu", "--time", "5", "--gpus-per-node", "0",
+            "--tasks-per-node", "1", "--nodes", "1", "--poll", "0.2"]
+    t0 = time.time()
+    assert cli.main(argv) == 1
+    assert time.time() - t0 < 120, "the sweep waited for a job that had ended"
+    (row,) = results(out)
+    assert row["status"] == "failed" and "without writing its result" in row["error"], row["error"]
+    assert "following jobs with squeue" in capsys.readouterr().out
+    assert cli.main(argv + ["--resume"]) == 0
+    assert [r["status"] for r in results(out)] == ["failed", "ok"]

@@ -117,10 +117,10 @@ def test_fixed_offset_past_the_end(data_cfg):
 
 
 @pytest.mark.parametrize("bad, msg", [
-    (dict(kinds=["secret"]), "canary.kinds"), (dict(copies=[]), "canary.copies"),
-    (dict(copies=[0]), "copies"), (dict(placement="end"), "canary.placement"),
-    (dict(placement=0), "offset must be >= 1"), (dict(number=-1), "canary.number"),
-    (dict(length=0), "canary.length"), (dict(random_format="x"), "format"),
+    (dict(kinds=["secret"]), "canaries.kinds"), (dict(copies=[]), "canaries.copies"),
+    (dict(copies=[0]), "copies"), (dict(placement="end"), "canaries.placement"),
+    (dict(placement=0), "offset must be >= 1"), (dict(number=-1), "canaries.number"),
+    (dict(length=0), "canaries.length"), (dict(random_format="x"), "format"),
 ])
 def test_canary_config_errors(bad, msg):
     with pytest.raises(ValueError, match=msg):

@@ -68,7 +68,8 @@ def test_different_seed_changes_order_and_placement_not_content(stream, data_cfg
 
 
 def test_nothing_about_model_or_grid_enters_the_stream(stream):
-    assert list(inspect.signature(build_stream).parameters) == ["data_cfg", "canary_cfg", "seed"]
+    # the batch size only rounds the row count up to whole batches (test_a_pass_trains_every_row...)
+    assert list(inspect.signature(build_stream).parameters) == ["data_cfg", "canary_cfg", "seed", "batch_size"]
     # Rows are the same whatever the batch size; the grid only changes step/rank labels in the manifest.
     rows = lambda B: torch.cat([stream.batch(s, B)["input_ids"] for s in range(stream.num_steps(B))])  # noqa: E731
     whole = rows(6)
@@ -209,3 +210,14 @@ def test_a_canary_found_in_the_pretraining_text_is_not_used(data_cfg, tmp_path):
     texts = {c.text for c in avoided.canaries} | {c.twin_text for c in avoided.canaries}
     assert first.canaries[0].text not in texts and len(avoided.canaries) == 2
     assert avoided.key != first.key
+
+
+@pytest.mark.parametrize("batch", [3, 4, 7])
+def test_a_pass_trains_every_row_so_every_copy_is_seen(data_cfg, batch):
+    # the rows are rounded up to whole batches: a pass drops none, and no copy sits where no step reaches it
+    s = build_stream(data_cfg, CANARIES, seed=0, batch_size=batch)
+    assert len(s) % batch == 0
+    assert s.copies_seen(batch, steps=len(s) // batch) == {c.id: c.copies for c in s.canaries}
+    plain = build_stream(data_cfg, CANARIES, seed=0)  # batch 1: the stream as it was
+    assert len(plain) <= len(s) < len(plain) + batch
+

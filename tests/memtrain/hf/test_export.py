@@ -17,6 +17,7 @@ Seeded initializations are compared bitwise too: the same (seed, config) draws t
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -52,8 +53,13 @@ def exported(run, tmp_path_factory):
     out = tmp_path_factory.mktemp("export") / "hf"
     r = memtrain("export", run, "--out", out)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert "step_000060" in r.stdout
+    assert _final(run).name in r.stdout  # the newest checkpoint: the end of training
     return out
+
+
+def _final(run: Path) -> Path:
+    """The checkpoint of the run's last step (30 passes of its stream)."""
+    return run / "checkpoints" / f"step_{json.loads((run / 'run.json').read_text())['trained']['steps']:06d}"
 
 
 def _evaluated(run: Path, n: int):
@@ -85,7 +91,7 @@ def test_export_loads_offline_and_generate_reproduces_extraction(run, exported):
     assert tok("The secret code")["input_ids"][0] == eos
 
     # The weights are the latest checkpoint's, bit for bit.
-    with model_source(run / "checkpoints" / "step_000060") as ckpt:
+    with model_source(_final(run)) as ckpt:
         state = model.state_dict()
         assert set(ckpt.keys()) == state.keys()
         assert all(torch.equal(ckpt.read(k), state[k]) for k in state)
@@ -110,7 +116,7 @@ def test_export_loads_offline_and_generate_reproduces_extraction(run, exported):
 
 def test_export_of_a_checkpoint_replaces_an_earlier_export(run, exported):
     before = {name: (exported / name).read_bytes() for name in os.listdir(exported)}
-    r = memtrain("export", run / "checkpoints" / "step_000060", "--out", exported)
+    r = memtrain("export", _final(run), "--out", exported)
     assert r.returncode == 0, r.stderr[-3000:]
     assert {name: (exported / name).read_bytes() for name in os.listdir(exported)} == before
     assert not [p for p in exported.parent.iterdir() if p.name.startswith(".")]  # no temporary left behind
@@ -132,11 +138,15 @@ def test_large_models_export_in_shards(run, exported, tmp_path):
     assert single.keys() == sharded.keys() and all(torch.equal(single[k], sharded[k]) for k in single)
 
 
-@pytest.mark.parametrize("case", ["not a run", "out is a file"])
+@pytest.mark.parametrize("case", ["not a run", "out is a file", "weights deleted after evaluation"])
 def test_bad_arguments_are_one_clear_line(run, tmp_path, case):
     if case == "not a run":
         (tmp_path / "notes.txt").write_text("hello")
         args, expect = [tmp_path, "--out", tmp_path / "hf"], "neither a run directory"
+    elif case == "weights deleted after evaluation":  # what a sweep with keep_checkpoints = false leaves
+        shutil.copytree(run, tmp_path / "run", ignore=shutil.ignore_patterns("checkpoints"))
+        assert (tmp_path / "run" / "eval.json").is_file()
+        args, expect = [tmp_path / "run", "--out", tmp_path / "hf"], "sweep.keep_checkpoints=true"
     else:
         (tmp_path / "file").write_text("")
         args, expect = [run, "--out", tmp_path / "file"], "is a file"

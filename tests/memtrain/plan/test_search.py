@@ -97,6 +97,14 @@ def test_405b_on_4096_gpus_plans_every_grid(tmp_path, capsys):
         assert 128 % p["y"] == 0 and 8 % p["y"] == 0 and 16384 % p["x"] == 0 and 4096 % (p["data"] * p["z"]) == 0
 
 
+def test_divisors_are_found_up_to_the_square_root_so_a_million_gpus_plan_in_seconds(capsys):
+    assert all(search.divisors(n) == [d for d in range(1, n + 1) if n % d == 0] for n in range(1, 300))
+    assert len(search.divisors(720720)) == 240 and search.divisors(2**20)[-2:] == [2**19, 2**20]
+    cli_main(["plan", "--model", "ladder-1m", "--gpus", str(2**20), "--batch", str(2**24), "--top", "1"])
+    planned = capsys.readouterr().out.splitlines()[-1]  # "planned in S s"
+    assert float(planned.split()[2]) < 60, planned
+
+
 @pytest.mark.parametrize("args, message", [
     (["--model", "ladder-1m", "--gpus", "0"], "--gpus: 0 is invalid"),
     (["--model", "ladder-7m", "--gpus", "8"], "unknown model 'ladder-7m'"),

@@ -81,6 +81,7 @@ def test_every_pass_is_scored_and_agrees_with_greedy_extraction(start):
     assert len({p["val_tokens"] for p in passes}) == 1  # one validation set for the start and every pass
     final = start["eval"]
     assert passes[-1]["members"]["k"] == final["exact_count"]  # the same model, scored two ways
+    assert final["val_loss"] == passes[-1]["val_loss"]  # the probe's held-out loss, not scored a second time
     assert final["cells"]["document/16"]["n"] == 16  # 1 copy x 16 passes seen
 
 

@@ -157,7 +157,7 @@ def test_time_based_checkpoints_change_nothing_trained(recipe, tmp_path):
     r = memtrain("train", "--config", recipe, "--out", tmp_path / "off", *sets, "--set", "train.checkpoint_every_min=0")
     assert r.returncode == 0, r.stderr[-2000:]
     r = memtrain("train", "--config", recipe, "--out", tmp_path / "often", *sets,
-                 "--set", "train.checkpoint_every_min=1e-9")  # due after every step
+                 "--set", "train.checkpoint_every_min=1e-9", "--set", "train.keep_checkpoints=0")  # each step, all
     assert r.returncode == 0, r.stderr[-2000:]
     names = sorted(p.name for p in (tmp_path / "often" / "checkpoints").glob("step_*"))
     assert names == [f"step_00000{i}" for i in range(1, 7)]
