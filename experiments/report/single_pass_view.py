@@ -236,7 +236,8 @@ def _order_table(order: list[dict]) -> list[str]:
     lines = ["### Training order", "",
              "Within each copies level, the Spearman correlation of a member's last training step with its "
              "log-likelihood after the pass (positive: later-seen canaries are remembered better), pooled over runs "
-             "weighted by members; a check on the data order, with few members per level and run.", "",
+             "weighted by members; a check on the data order, with few members per level and run. Under a decaying "
+             "learning rate a late copy is also trained with a smaller step, which pulls the other way.", "",
              "| loss | model | runs | members | Spearman (pooled) | range over runs |", "|---|---|---:|---:|---:|---:|"]
     lines += [f"| {o['loss']} | {o['model']} | {o['runs']} | {o['n']} | {o['rho']:+.2f} | [{o['lo']:+.2f}, "
               f"{o['hi']:+.2f}] |" for o in order]
