@@ -19,7 +19,7 @@ from pathlib import Path
 
 from experiments.results import BASE_INFO, now
 from memtrain.config import RunConfig, apply_overrides, from_dict, to_toml
-from memtrain.files import atomic_dir, file_lock
+from memtrain.files import atomic_dir, file_lock, read_json
 from memtrain.progress import quiet
 from memtrain.run_files import CHECKPOINTS, CONFIG, EVAL
 
@@ -224,7 +224,12 @@ class BaseModels:
                 raise BaseModelError(msg)
             for opt in (folder / CHECKPOINTS).glob("*/optimizer*.safetensors"):
                 opt.unlink()  # fine-tuning starts a fresh optimizer: keep only the weights (1/3 of the bytes)
-            scores = json.loads((folder / EVAL).read_text())
+            try:
+                scores = read_json(folder / EVAL, "the base model's evaluation", f"delete {str(folder)!r} to pretrain "
+                                   "it again")
+            except (OSError, ValueError) as e:
+                self._done[key] = (None, str(e))
+                raise BaseModelError(str(e)) from None
             (folder / BASE_INFO).write_text(json.dumps({
                 "key": key, "model": cfg.model.name, "steps": self.pre.steps, "created": now(),
                 "seconds": round(time.time() - t0, 1), "val_loss": scores.get("val_loss"),

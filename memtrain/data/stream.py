@@ -217,10 +217,16 @@ def build_stream(data_cfg: DataConfig, canary_cfg: CanaryConfig | None = None, s
                 with stage(f"data: tokenizing {len(corpus.docs):,} documents and packing them into sequences of "
                            f"{data_cfg.seq_len} tokens"):
                     _write_stream(folder, data_cfg, canary_cfg, seed, corpus, tok, {**spec, "key": key}, batch_size)
-    meta = json.loads((folder / "meta.json").read_text())
-    tokens = np.load(folder / "tokens.npy")
-    canaries = [Canary.from_dict(d) for d in json.loads((folder / "canaries.json").read_text())]
-    val = json.loads((folder / "val.json").read_text())
+    try:  # the cache is ours, but a disk or a hand can damage it: name the entry, never a parser's message alone
+        meta = json.loads((folder / "meta.json").read_text())
+        tokens = np.load(folder / "tokens.npy")
+        canaries = [Canary.from_dict(d) for d in json.loads((folder / "canaries.json").read_text())]
+        val = json.loads((folder / "val.json").read_text())
+        if not (isinstance(meta, dict) and isinstance(val, list) and tokens.ndim == 1):
+            raise ValueError("a file holds the wrong kind of value")
+    except (ValueError, TypeError, KeyError, UnicodeDecodeError) as e:
+        raise ValueError(f"the cached stream {str(folder)!r} is damaged ({' '.join(str(e).split())[:120]}): delete "
+                         "that directory and it is rebuilt") from None
     return TrainStream(tokens, data_cfg.seq_len, canaries, val, tok, meta, data_cfg.document_attention)
 
 

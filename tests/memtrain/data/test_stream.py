@@ -221,3 +221,13 @@ def test_a_pass_trains_every_row_so_every_copy_is_seen(data_cfg, batch):
     plain = build_stream(data_cfg, CANARIES, seed=0)  # batch 1: the stream as it was
     assert len(plain) <= len(s) < len(plain) + batch
 
+
+
+@pytest.mark.parametrize("damage", ["meta.json", "canaries.json", "tokens.npy"])
+def test_a_damaged_cached_stream_is_named_with_the_fix(data_cfg, tmp_path, damage):
+    cfg = replace(data_cfg, cache_dir=str(tmp_path))
+    build_stream(cfg, CANARIES, seed=0)
+    (entry,) = [p for p in (tmp_path / "streams").iterdir() if p.is_dir()]
+    (entry / damage).write_bytes(b"\xff\x00 not what was written")
+    with pytest.raises(ValueError, match="cached stream .* is damaged .*delete that directory"):
+        build_stream(cfg, CANARIES, seed=0)
