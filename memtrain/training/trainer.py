@@ -178,6 +178,8 @@ def train(cfg: RunConfig, out_dir: str | Path, *, resume: bool = False, force: b
                 _truncate_jsonl(path, start)
     device = next(plm.parameters()).device
     amp = autocast_dtype(cfg, device, grid)
+    if resume and state.get("precision"):  # 'auto' is a timing probe: a loaded machine could decide otherwise
+        amp = torch.bfloat16 if state["precision"] == "bf16" else None  # the run keeps the dtype it started in
     if grid.rank == 0:
         trained = {"steps": total, "epochs": t.epochs, "steps_per_pass": steps_per_epoch}
         stream.write_manifest(out, B, grid.data if plm.mode == "sharded" else grid.world_size)
@@ -200,7 +202,8 @@ def train(cfg: RunConfig, out_dir: str | Path, *, resume: bool = False, force: b
     def save(step: int) -> float:
         """Collective: checkpoint `step` (keeping the newest train.keep_checkpoints); its duration in seconds."""
         t0 = time.perf_counter()
-        checkpoint.save(out, plm, opt, sched, step, {"config_digest": cfg.digest()}, keep=t.keep_checkpoints)
+        extra = {"config_digest": cfg.digest(), "precision": "bf16" if amp else "fp32"}
+        checkpoint.save(out, plm, opt, sched, step, extra, keep=t.keep_checkpoints)
         return time.perf_counter() - t0
 
     probed: dict = {}  # step -> held-out loss the probe measured
