@@ -36,8 +36,8 @@ SEED_VARIES = ("A seed draws the canaries (which secrets, which held-out documen
 
 def numbers(rows: list[dict]) -> dict:
     """The section's numbers, computed once (the bootstraps are the report's costliest part): figure 1 ("once"),
-    figure 2 ("dose"), held-out loss before and after the pass ("utility") and membership inference at one
-    exposure ("mia")."""
+    figure 2 ("dose"), held-out loss before and after the pass ("utility"), membership inference at one exposure
+    ("mia") and the training-order check ("order")."""
     return {"once": one_exposure(rows), "dose": dose_response(rows), "utility": utility(rows),
             "mia": mia_one_exposure(rows), "order": training_order(rows)}
 
