@@ -266,18 +266,24 @@ def model_source(path: Path) -> CheckpointSource:
     return CheckpointSource(_files(path, "model"))
 
 
+def read_state(path: Path) -> dict:
+    """A checkpoint's state.json (its step an int), or a ValueError naming it and the fix."""
+    try:
+        state = json.loads((Path(path) / "state.json").read_bytes().decode("utf-8"))
+        if not isinstance(state, dict) or not isinstance(state.get("step"), int) or isinstance(state["step"], bool):
+            raise ValueError("no step saved")
+    except ValueError as e:  # JSONDecodeError and UnicodeDecodeError included
+        raise ValueError(f"checkpoint {str(path)!r} has a corrupt state.json ({e}): use an earlier checkpoint "
+                         "or re-run training") from None
+    return state
+
+
 def load(path: Path, plm, opt=None) -> dict:
     """Collective-free: fill this rank's shards (and AdamW moments when `opt` is given) from a checkpoint saved
     on any grid; returns its state."""
     path = Path(path)
     with model_source(path) as src:
-        try:
-            state = json.loads((path / "state.json").read_bytes().decode("utf-8"))
-            if not isinstance(state, dict) or not isinstance(state.get("step"), int):
-                raise ValueError("no step saved")
-        except ValueError as e:  # JSONDecodeError and UnicodeDecodeError included
-            raise ValueError(f"checkpoint {str(path)!r} has a corrupt state.json ({e}): use an earlier checkpoint "
-                             "or re-run training") from None
+        state = read_state(path)
         plm.load_hf_state_dict(src)
     if opt is not None:
         params = parallel.unique_parameters(plm)

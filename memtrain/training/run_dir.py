@@ -16,7 +16,7 @@ from pathlib import Path
 
 from memtrain.config import RunConfig
 from memtrain.config import load as load_config
-from memtrain.files import file_lock
+from memtrain.files import file_lock, read_json
 from memtrain.run_files import CHECKPOINTS, CONFIG, LOCK, OUTPUTS, RUN
 from memtrain.training import checkpoint
 
@@ -102,7 +102,7 @@ def check_resume(out: Path, cfg: RunConfig) -> Path:
     if missing:
         raise FileNotFoundError(f"--resume: checkpoint {str(ckpt)!r} lacks its optimizer state "
                                 f"({', '.join(missing[:3])}): restore those files, {fresh}")
-    step = _step(ckpt)
+    step = checkpoint.read_state(ckpt)["step"]
     later = sorted(p.name for p in (out / CHECKPOINTS).glob("step_*")
                    if re.fullmatch(r"step_\d+", p.name) and int(p.name[5:]) > step and (p / "state.json").is_file())
     if later:
@@ -125,24 +125,4 @@ def _run_info(path: Path) -> dict:
     """run.json as a dict ({} before the run wrote one)."""
     if not path.is_file():
         return {}
-    try:
-        info = json.loads(path.read_bytes())
-    except ValueError as e:  # UnicodeDecodeError included
-        raise ValueError(f"--resume: {str(path)!r} is damaged ({e}): restore it, or train a new run into another "
-                         "--out") from None
-    if not isinstance(info, dict):
-        raise ValueError(f"--resume: {str(path)!r} is not a JSON object: restore it, or train a new run into another "
-                         "--out")
-    return info
-
-
-def _step(ckpt: Path) -> int:
-    """The step a checkpoint saved (its state.json)."""
-    try:
-        step = json.loads((ckpt / "state.json").read_bytes()).get("step")
-    except (ValueError, AttributeError):
-        step = None
-    if not isinstance(step, int) or isinstance(step, bool):
-        raise ValueError(f"--resume: {str(ckpt / 'state.json')!r} is damaged (no step): point "
-                         f"{str(ckpt.parent / 'latest')!r} at an earlier checkpoint")
-    return step
+    return read_json(path, "--resume: run.json", "restore it, or train a new run into another --out")

@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -248,9 +249,9 @@ def train(cfg: RunConfig, out_dir: str | Path, *, resume: bool = False, force: b
             if cfg.eval.every_pass and (step + 1) % steps_per_epoch == 0:
                 probe(step + 1)
             by_steps = bool(t.checkpoint_every) and (step + 1) % t.checkpoint_every == 0
-            stop, cheap = sigterm_agreed(grid, device, save_s)
-            saved = step + 1 < total and (by_steps or stop and cheap
-                                          or checkpoint_due(grid, saved_at, t.checkpoint_every_min, device))
+            now = agree(grid, device, saved_at, t.checkpoint_every_min, save_s)
+            stop = now.stop
+            saved = step + 1 < total and (by_steps or now.due or stop and now.cheap)
             if saved:
                 save_s = save(step + 1)
                 saved_at = _clock()
@@ -260,7 +261,7 @@ def train(cfg: RunConfig, out_dir: str | Path, *, resume: bool = False, force: b
                     "longer than a scheduler waits after SIGTERM)") + f": {signals.RESUME_HINT} (--out {out})")
         if total > start:  # a finished run resumed (to evaluate it again) has its final checkpoint already
             save(total)
-        if sigterm_agreed(grid, device, save_s)[0]:
+        if agree(grid, device, saved_at, 0, save_s).stop:
             raise signals.Terminated(f"terminated by SIGTERM after the last step, its checkpoint saved: evaluation did "
                                      f"not run; {signals.RESUME_HINT} (--out {out}), which runs it")
     return TrainResult(out, total, last, grid, plm, stream, tracker,
@@ -273,30 +274,28 @@ SIGTERM_SAVE_S = 20.0
 time between SIGTERM and SIGKILL, are 30 s by default (a save cut short by SIGKILL leaves the previous one)."""
 
 
-def sigterm_agreed(grid, device: torch.device, save_s: float | None) -> tuple[bool, bool]:
-    """(whether SIGTERM reached any rank (signals.pending), whether saving on it is cheap: no rank's last save,
-    `save_s` seconds here, took over SIGTERM_SAVE_S), agreed by all: they stop after the same step and enter the
-    save together or not at all, even when the launcher signalled only some of them (scancel of one task)."""
-    flags = [signals.pending(), save_s is not None and save_s > SIGTERM_SAVE_S]
-    if grid.world_size > 1:
-        both = torch.tensor([float(f) for f in flags], device=device)
-        dist.all_reduce(both, op=dist.ReduceOp.MAX)  # bookkeeping, like checkpoint_due: not in the ledger
-        flags = [bool(f) for f in both.tolist()]
-    return flags[0], not flags[1]
+class Agreed(NamedTuple):
+    """What every rank decides alike after a step (one all-reduce a step, not one per question)."""
+
+    due: bool
+    """`checkpoint_every_min` minutes have passed since the last save, by global rank 0's clock (clocks differ
+    between hosts, and a rank deciding alone would hang the others in the collective save; 0 minutes: never)."""
+    stop: bool
+    """SIGTERM reached some rank (signals.pending), even when the launcher signalled only some of them."""
+    cheap: bool
+    """No rank's last save took over SIGTERM_SAVE_S seconds: saving on SIGTERM fits the scheduler's grace."""
 
 
-def checkpoint_due(grid, saved_at: float, minutes: float, device: torch.device) -> bool:
-    """Whether `minutes` have passed since `saved_at` (0: never), by global rank 0's clock, broadcast: every rank
-    gets the same answer at the same step, so all of them enter the collective save together (clocks differ
-    between hosts, and a rank deciding alone would hang the others). Saving changes nothing trained."""
-    if minutes <= 0:
-        return False
-    due = _clock() - saved_at >= minutes * 60
+def agree(grid, device: torch.device, saved_at: float, minutes: float, save_s: float | None) -> Agreed:
+    """The step's decisions, the same on every rank: they stop after the same step and enter a save together or
+    not at all. Bookkeeping: not in the communication ledger. Saving changes nothing trained."""
+    due = grid.rank == 0 and minutes > 0 and _clock() - saved_at >= minutes * 60
+    flags = [due, signals.pending(), save_s is not None and save_s > SIGTERM_SAVE_S]
     if grid.world_size > 1:
-        flag = torch.tensor([1.0 if due else 0.0], device=device)
-        torch.distributed.broadcast(flag, src=0)
-        due = bool(flag.item())
-    return due
+        t = torch.tensor([float(f) for f in flags], device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)  # rank 0 alone may set `due`: its clock decides
+        flags = [bool(f) for f in t.tolist()]
+    return Agreed(due=flags[0], stop=flags[1], cheap=not flags[2])
 
 
 @contextlib.contextmanager

@@ -158,3 +158,16 @@ def refused(r, expect: str) -> str:
     assert r.stderr.strip().splitlines()[-1] == errors[0], r.stderr[-3000:]
     assert expect in errors[0], errors[0]
     return errors[0]
+
+
+def finished_tiny_run(root: Path) -> Path:
+    """A workspace for bad-input tests: 12 stdlib files in root/corpus, the recipe root/tiny.toml (2 steps, one
+    canary), and that recipe trained and evaluated into root/run. Returns the recipe."""
+    (root / "corpus").mkdir()
+    corpus = stdlib_corpus(root / "corpus", every=12, count=12, chars=4000)
+    recipe = write_recipe(root / "tiny.toml", corpus, root / "cache", train={"batch_size": 4, "max_steps": 2},
+                          canaries={"number": 1, "copies": [1], "length": 16},
+                          eval={"suffix_len": 4, "exposure_samples": 8, "val_docs": 2})
+    r = memtrain("train", "--config", recipe, "--out", root / "run")
+    assert r.returncode == 0, r.stderr[-3000:]
+    return recipe

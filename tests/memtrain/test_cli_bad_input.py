@@ -10,20 +10,20 @@ file that existed before byte-identical (a finished run, its recipe, its corpus,
 
 import pytest
 
-from tests.memtrain._helpers import cli, memtrain, refused, snapshot, stdlib_corpus, unchanged, write_recipe
+from tests.memtrain._helpers import (
+    cli,
+    finished_tiny_run,
+    refused,
+    snapshot,
+    unchanged,
+)
 
 
 @pytest.fixture(scope="module")
 def ws(tmp_path_factory):
     """A workspace with a finished run, its recipe and corpus, and files made to be wrong."""
     root = tmp_path_factory.mktemp("ws")
-    (root / "corpus").mkdir()
-    corpus = stdlib_corpus(root / "corpus", every=12, count=12, chars=4000)
-    recipe = write_recipe(root / "tiny.toml", corpus, root / "cache", train={"batch_size": 4, "max_steps": 2},
-                          canaries={"number": 1, "copies": [1], "length": 16},
-                          eval={"suffix_len": 4, "exposure_samples": 8, "val_docs": 2})
-    r = memtrain("train", "--config", recipe, "--out", root / "run")
-    assert r.returncode == 0, r.stderr[-3000:]
+    finished_tiny_run(root)
     bad = root / "bad"
     bad.mkdir()
     (bad / "binary").mkdir()

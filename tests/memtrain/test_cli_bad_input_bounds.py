@@ -16,7 +16,13 @@ import time
 
 import pytest
 
-from tests.memtrain._helpers import cli, memtrain, refused, snapshot, stdlib_corpus, unchanged, write_recipe
+from tests.memtrain._helpers import (
+    cli,
+    finished_tiny_run,
+    refused,
+    snapshot,
+    unchanged,
+)
 
 SECONDS = 60
 """Each case's bound: a refusal comes before any real work (the slowest here prepare a 12-document stream first)."""
@@ -27,13 +33,7 @@ def ws(tmp_path_factory):
     """A workspace: a finished run, its recipe and corpus, copies of the run with one file damaged each, and
     files made to be wrong (weights, corpora, a tokenizer, bandwidth tables, results files, sweep specs)."""
     root = tmp_path_factory.mktemp("bounds")
-    (root / "corpus").mkdir()
-    corpus = stdlib_corpus(root / "corpus", every=12, count=12, chars=4000)
-    recipe = write_recipe(root / "tiny.toml", corpus, root / "cache", train={"batch_size": 4, "max_steps": 2},
-                          canaries={"number": 1, "copies": [1], "length": 16},
-                          eval={"suffix_len": 4, "exposure_samples": 8, "val_docs": 2})
-    r = memtrain("train", "--config", recipe, "--out", root / "run")
-    assert r.returncode == 0, r.stderr[-3000:]
+    finished_tiny_run(root)
     bad = root / "bad"
     bad.mkdir()
     _damaged_runs(root / "run", bad)

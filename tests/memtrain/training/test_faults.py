@@ -79,11 +79,11 @@ def _sigterm_decisions(rank, world):
     cpu = torch.device("cpu")
     signals.handle()
     with signals.deferred():
-        before = trainer.sigterm_agreed(grid, cpu, 1.0)
+        before = trainer.agree(grid, cpu, 0.0, 0.0, 1.0)
         if rank == 0:
             os.kill(os.getpid(), signal.SIGTERM)
-        after = trainer.sigterm_agreed(grid, cpu, trainer.SIGTERM_SAVE_S + 1 if rank == 1 else 1.0)
-    return before, after
+        after = trainer.agree(grid, cpu, 0.0, 0.0, trainer.SIGTERM_SAVE_S + 1 if rank == 1 else 1.0)
+    return (before.stop, before.cheap), (after.stop, after.cheap)
 
 
 def test_every_rank_stops_at_the_same_step_and_saves_or_not_alike():

@@ -143,9 +143,9 @@ def _checkpoint_decisions(rank, world):
     trainer._clock = lambda: 1000.0
     cpu = torch.device("cpu")
     # 5 minutes: rank 0 saved 500 s ago and rank 1 just now, then the other way round; alone, they would disagree.
-    return [trainer.checkpoint_due(grid, 500.0 if rank == 0 else 1000.0, 5.0, cpu),
-            trainer.checkpoint_due(grid, 1000.0 if rank == 0 else 500.0, 5.0, cpu),
-            trainer.checkpoint_due(grid, 0.0, 0.0, cpu)]  # 0 minutes: off
+    return [trainer.agree(grid, cpu, 500.0 if rank == 0 else 1000.0, 5.0, None).due,
+            trainer.agree(grid, cpu, 1000.0 if rank == 0 else 500.0, 5.0, None).due,
+            trainer.agree(grid, cpu, 0.0, 0.0, None).due]  # 0 minutes: off
 
 
 def test_time_based_checkpoint_is_rank_0s_decision_on_every_rank():
