@@ -160,10 +160,9 @@ def evaluate(model, stream, cfg, run_dir: Path, steps: int, write: bool = True,
         with stage(f"eval: exposure of {n_random} random canaries and their twins "
                    f"(up to {cfg.eval.exposure_samples:,} candidates each)"):
             expo = _exposures(model, stream, cfg)
-        val = stream.val_sequences(cfg.eval.val_docs, cfg.eval.val_tokens)
-        if val_loss is not None:
+        if val_loss is not None:  # the probe's, on these same documents: not tokenized or scored again
             val_loss = {"loss": val_loss, "perplexity": math.exp(val_loss)}
-        elif val:
+        elif val := stream.val_sequences(cfg.eval.val_docs, cfg.eval.val_tokens):
             with stage(f"eval: validation loss on {sum(len(v) - 1 for v in val):,} tokens of held-out documents"):
                 val_loss = ev.validation_loss(model, val, batch_size=cfg.eval.batch_size)
 

@@ -133,6 +133,12 @@ def _base_exact(rows: list[dict], loss: str) -> dict[str, tuple[int, int]]:
     return {m: (k, n) for m, (k, n) in acc.items()}
 
 
+def _by_loss_and_size(groups: dict, sizes: dict[str, float]) -> list[tuple]:
+    """The items of a {(loss, model): value} table in the report's order: losses as loss_order puts them, then
+    models by parameters."""
+    return sorted(groups.items(), key=lambda kv: (loss_order(kv[0][0]), sizes[kv[0][1]]))
+
+
 def utility(rows: list[dict]) -> list[dict]:
     """Per (loss, model): held-out loss of the base (pass 0) and after the pass, and the change, each a mean over
     seeds with a 95% bootstrap interval over seeds (every run scores the same held-out documents)."""
@@ -145,7 +151,7 @@ def utility(rows: list[dict]) -> list[dict]:
             sizes[str(r.get("model"))] = f(r.get("params")) or 0.0
     rng = np.random.default_rng(0)
     out = []
-    for (loss, model), vals in sorted(runs.items(), key=lambda kv: (loss_order(kv[0][0]), sizes[kv[0][1]])):
+    for (loss, model), vals in _by_loss_and_size(runs, sizes):
         v = np.asarray(vals)
         delta = v[:, 1] - v[:, 0]
         means = delta[rng.integers(0, len(delta), size=(N_BOOT, len(delta)))].mean(axis=1)
@@ -188,7 +194,7 @@ def mia_one_exposure(rows: list[dict]) -> list[dict]:
             scores[key]["attack_loss"][side].append(-a)
             scores[key]["attack_calibrated"][side].append(b - a)
     out = []
-    for (loss, model), sc in sorted(scores.items(), key=lambda kv: (loss_order(kv[0][0]), sizes[kv[0][1]])):
+    for (loss, model), sc in _by_loss_and_size(scores, sizes):
         if sc["attack_loss"][0] and sc["attack_loss"][1]:
             out.append({"loss": loss, "model": model, "params": sizes[model],
                         **{name: _roc(*sides) for name, sides in sc.items()}})
@@ -207,7 +213,7 @@ def training_order(rows: list[dict]) -> list[dict]:
             acc[(loss_of(r), str(r.get("model")))].append((float(oe["mean"]), int(oe["n"])))
             sizes[str(r.get("model"))] = f(r.get("params")) or 0.0
     out = []
-    for (loss, model), vals in sorted(acc.items(), key=lambda kv: (loss_order(kv[0][0]), sizes[kv[0][1]])):
+    for (loss, model), vals in _by_loss_and_size(acc, sizes):
         n = sum(k for _, k in vals)
         out.append({"loss": loss, "model": model, "params": sizes[model], "runs": len(vals), "n": n,
                     "rho": sum(v * k for v, k in vals) / n, "lo": min(v for v, _ in vals),
