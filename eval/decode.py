@@ -10,8 +10,9 @@ the loop here never looks inside the cache. A stepper may also define `new_cache
 to hand the first call a pre-sized cache (otherwise the first call receives `cache=None`).
 
 A model that must run these loops itself (a sharded model whose ranks act in lockstep, each decoding its
-share of the rows) subclasses `Evaluable`; `greedy_decode` and `sequence_logprobs`, and so every metric of
-this package, hand it the whole request.
+share of the rows) subclasses `Evaluable`; `greedy_decode`, `sequence_logprobs` and `continuation_logprobs`
+(which it may leave to a default built on `sequence_logprobs`), and so every metric of this package, hand it the
+whole request.
 
 `HFStepper` adapts any transformers causal LM. Its output equals `model.generate(do_sample=False,
 max_new_tokens=n)` token for token when generation does not stop early (no EOS stopping: memorization
@@ -27,9 +28,11 @@ why the tokens come out bit-identical rather than merely close.
 from __future__ import annotations
 
 import abc
+import copy
 import inspect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Protocol
 
 import numpy as np
@@ -94,6 +97,11 @@ class Evaluable(abc.ABC):
     @abc.abstractmethod
     def sequence_logprobs(self, token_lists: Sequence[Sequence[int]], batch_size: int = 32,
                           with_stats: bool = False, pad_id: int = 0) -> SeqLogprobs: ...
+
+    def continuation_logprobs(self, context: Sequence[int], continuations: Sequence[Sequence[int]],
+                              batch_size: int = 32, pad_id: int = 0) -> tuple[np.ndarray, list[np.ndarray]]:
+        """`continuation_logprobs`; this default scores every context + continuation whole (no cache)."""
+        return _concatenated(self.sequence_logprobs, context, continuations, batch_size, pad_id)
 
 
 def _accepts(fn, name: str) -> bool:
@@ -263,8 +271,10 @@ def sequence_logprobs(model_or_fn, token_lists: Sequence[Sequence[int]], batch_s
     if isinstance(model_or_fn, Evaluable):
         return model_or_fn.sequence_logprobs(token_lists, batch_size=batch_size, with_stats=with_stats,
                                              pad_id=pad_id)
-    logits_fn = as_logits_fn(model_or_fn)
-    device = _device_of(model_or_fn)
+    return _scored(as_logits_fn(model_or_fn), _device_of(model_or_fn), token_lists, batch_size, with_stats, pad_id)
+
+
+def _scored(logits_fn, device, token_lists, batch_size, with_stats, pad_id) -> SeqLogprobs:
     n = len(token_lists)
     lps: list = [None] * n
     means: list | None = [None] * n if with_stats else None
@@ -275,20 +285,70 @@ def sequence_logprobs(model_or_fn, token_lists: Sequence[Sequence[int]], batch_s
         lengths = [len(token_lists[i]) for i in idx]
         if min(lengths) < 1:
             raise ValueError("empty sequence")
-        ids = torch.full((len(idx), max(lengths)), pad_id, dtype=torch.long)
-        for row, i in enumerate(idx):
-            ids[row, :lengths[row]] = torch.as_tensor(list(token_lists[i]), dtype=torch.long)
-        ids = ids.to(device)
+        width = max(lengths)
+        ids = torch.tensor([[*token_lists[i], *[pad_id] * (width - m)] for i, m in zip(idx, lengths)],
+                           dtype=torch.long, device=device)
         logp = torch.log_softmax(logits_fn(ids)[:, :-1].float(), dim=-1)  # [B, L-1, V]
-        target = logp.gather(-1, ids[:, 1:, None]).squeeze(-1)
+        target = logp.gather(-1, ids[:, 1:, None]).squeeze(-1).double().cpu().numpy()
         if with_stats:
             p = logp.exp()
             mu = (p * logp).sum(-1)
             sigma = (p * (logp - mu[..., None]).square()).sum(-1).sqrt()
-        for row, i in enumerate(idx):
+            mu, sigma = mu.double().cpu().numpy(), sigma.double().cpu().numpy()
+        for row, i in enumerate(idx):  # one copy to the host per batch, not per row
             k = lengths[row] - 1
-            lps[i] = target[row, :k].double().cpu().numpy()
+            lps[i] = target[row, :k]
             if with_stats:
-                means[i] = mu[row, :k].double().cpu().numpy()
-                stds[i] = sigma[row, :k].double().cpu().numpy()
+                means[i], stds[i] = mu[row, :k], sigma[row, :k]
     return SeqLogprobs(lps, means, stds)
+
+
+@torch.inference_mode()
+def continuation_logprobs(model_or_fn, context: Sequence[int], continuations: Sequence[Sequence[int]],
+                          batch_size: int = 32, pad_id: int = 0) -> tuple[np.ndarray, list[np.ndarray]]:
+    """Teacher-forced log-probs of many continuations of one context: (the context's own, for its tokens
+    1.., as `sequence_logprobs` gives them; per continuation one per token, its first given the context).
+
+    The numbers of `sequence_logprobs` on every context + continuation, within float rounding, for less work
+    when the context is long (a template every candidate secret shares): the context runs once, in a batch
+    of one, and its KV cache serves every batch of continuations, which compute only their own tokens. Each
+    continuation row opens with the context's last token (kept out of the cache), which predicts the first
+    token. A logits callable has no cache: it scores the whole sequences.
+    """
+    if len(context) == 0:
+        raise ValueError("continuations need a non-empty context (their first token needs one)")
+    if isinstance(model_or_fn, Evaluable):
+        return model_or_fn.continuation_logprobs(context, continuations, batch_size=batch_size, pad_id=pad_id)
+    if not isinstance(model_or_fn, torch.nn.Module):
+        return _concatenated(partial(sequence_logprobs, model_or_fn), context, continuations, batch_size, pad_id)
+    model, device, p = model_or_fn, _device_of(model_or_fn), len(context)
+    past, context_lp = None, np.zeros(0)
+    if p > 1:
+        ids = torch.as_tensor([list(context)], dtype=torch.long, device=device)
+        out = model(input_ids=ids[:, :-1], use_cache=True)
+        logp = torch.log_softmax(out.logits.float(), dim=-1)
+        context_lp = logp.gather(-1, ids[:, 1:, None])[0, :, 0].double().cpu().numpy()
+        past = out.past_key_values
+
+    def logits_fn(ids):  # a fresh copy of the context's cache per batch: the forward appends to it
+        cache = copy.deepcopy(past)
+        if cache is not None:
+            cache.batch_repeat_interleave(ids.shape[0])
+        pos = torch.arange(p - 1, p - 1 + ids.shape[1], device=ids.device).expand(ids.shape[0], -1)
+        return model(input_ids=ids, position_ids=pos, past_key_values=cache, use_cache=cache is not None).logits
+
+    rows = [i for i, c in enumerate(continuations) if len(c)]
+    lps = _scored(logits_fn, device, [[context[-1], *continuations[i]] for i in rows], batch_size, False,
+                  pad_id).logprobs
+    out = [np.zeros(0) for _ in continuations]
+    for i, lp in zip(rows, lps):
+        out[i] = lp
+    return context_lp, out
+
+
+def _concatenated(logprobs_fn, context, continuations, batch_size, pad_id) -> tuple[np.ndarray, list[np.ndarray]]:
+    """`continuation_logprobs` from `sequence_logprobs` of the whole sequences."""
+    seqs = [[*context, *c] for c in continuations] or [list(context)]
+    lps = logprobs_fn(seqs, batch_size=batch_size, pad_id=pad_id).logprobs
+    k = len(context) - 1
+    return lps[0][:k], [lp[k:] for lp in lps[:len(continuations)]]

@@ -21,6 +21,12 @@ The estimate is capped at log2 |R| (rank >= 1).
 
 The interface is generic: `candidates_fn(indices) -> token lists` renders secrets from indices in
 [0, |R|); `SlotSpace` is the usual digit-slot instance.
+
+Cost: the candidates of one secret share its prefix and usually more (a template's fixed words; a BPE
+secret "The secret code of <name> is dddd-..." differs only from its digits on). That common head is
+scored once and its KV cache serves every candidate (`continuation_logprobs`), so each candidate computes
+only its own tokens; the true secret is scored in the same batches as its candidates. Px still counts the
+head's tokens, so the numbers are those of scoring every whole candidate, up to float rounding.
 """
 
 from __future__ import annotations
@@ -33,7 +39,7 @@ from dataclasses import dataclass
 import numpy as np
 from scipy import stats
 
-from .decode import sequence_logprobs
+from .decode import continuation_logprobs
 
 LN2 = math.log(2.0)
 
@@ -81,25 +87,56 @@ class ExposureResult:
     empirical_exposure: float | None = None  # sampled methods: from the sample's own counts
     fit_params: tuple | None = None
 
+    @property
+    def ceiling_bits(self) -> float:
+        """log2 |R|: no exposure exceeds it (rank >= 1)."""
+        return math.log2(self.space_size)
+
+    @property
+    def resolution_bits(self) -> float:
+        """The most exposure that counting can show: log2 |R| when exact, log2(n_scored + 1) when sampled (the
+        empirical estimate's cap; the fitted estimate extrapolates past it, up to the ceiling)."""
+        return self.ceiling_bits if self.method == "exact" else min(math.log2(self.n_scored + 1), self.ceiling_bits)
+
 
 def secret_log_perplexities(model, prefix: Sequence[int], secrets: Sequence[Sequence[int]],
-                            batch_size: int = 128) -> np.ndarray:
-    """Px in bits of each secret after `prefix` (only the secret's tokens are counted)."""
+                            batch_size: int = 128, batch_tokens: int = 0) -> np.ndarray:
+    """Px in bits of each secret after `prefix` (only the secret's tokens are counted).
+
+    The secrets' common head joins the prefix as context, run once (see the module docstring). A batch holds
+    `batch_size` secrets, or more while it stays within `batch_tokens` tokens: fewer, larger forward passes,
+    which on a grid are fewer rounds of collectives.
+    """
     if len(prefix) == 0:
         raise ValueError("exposure needs a non-empty template prefix (the first secret token needs context)")
-    lp = sequence_logprobs(model, [list(prefix) + list(s) for s in secrets], batch_size=batch_size).logprobs
-    # logprobs[i][t] is for token t+1, so the secret's tokens are the last len(secret) entries
-    return np.array([-lp[i][len(prefix) - 1:].sum() / LN2 for i in range(len(secrets))])
+    if len(secrets) == 0:
+        return np.zeros(0)
+    secrets = [list(s) for s in secrets]
+    head = _common_head(secrets)
+    rest = [s[head:] for s in secrets]
+    rows = max(batch_size, batch_tokens // (1 + max(map(len, rest))))  # a row is [last context token, *rest]
+    context_lp, lps = continuation_logprobs(model, [*prefix, *secrets[0][:head]], rest, batch_size=rows)
+    fixed = context_lp[len(prefix) - 1:].sum()  # the head's tokens, the same for every secret
+    return np.array([-(fixed + lp.sum()) / LN2 for lp in lps])
+
+
+def _common_head(seqs: list[list[int]]) -> int:
+    """Length of the longest common prefix of the token lists."""
+    first, n = seqs[0], min(map(len, seqs))
+    for s in seqs[1:]:
+        n = next((j for j in range(n) if s[j] != first[j]), n)
+    return n
 
 
 def exposure(model, prefix: Sequence[int], candidates_fn: Callable[[Sequence[int]], list[list[int]]],
              space_size: int, true_index: int | None = None, true_tokens: Sequence[int] | None = None, *,
              exact_limit: int = 10_000, n_samples: int = 5_000, fit: str = "skewnorm",
-             batch_size: int = 128, chunk: int = 4096, seed: int = 0) -> ExposureResult:
+             batch_size: int = 128, batch_tokens: int = 0, chunk: int = 4096, seed: int = 0) -> ExposureResult:
     """Exposure of the true secret (given by index in R, or by its tokens) among all candidates in R.
 
     Exact when space_size <= exact_limit, otherwise estimated from `n_samples` sampled candidates with
-    a fitted `fit` ("skewnorm" or "normal") distribution; see the module docstring.
+    a fitted `fit` ("skewnorm" or "normal") distribution; see the module docstring. Candidates are rendered
+    and scored `chunk` at a time, in batches of `batch_size` or up to `batch_tokens` tokens.
     """
     if true_index is None and true_tokens is None:
         raise ValueError("give the true secret as true_index or true_tokens")
@@ -114,7 +151,7 @@ def exposure(model, prefix: Sequence[int], candidates_fn: Callable[[Sequence[int
             cands = candidates_fn(idx)
             if true_index is None:
                 found = next((i for i, c in zip(idx, cands) if list(c) == list(true_tokens)), found)
-            scores.append(secret_log_perplexities(model, prefix, cands, batch_size))
+            scores.append(secret_log_perplexities(model, prefix, cands, batch_size, batch_tokens))
         scores = np.concatenate(scores)
         true_index = true_index if true_index is not None else found
         if true_index is None:
@@ -124,14 +161,20 @@ def exposure(model, prefix: Sequence[int], candidates_fn: Callable[[Sequence[int
         rank = int((scores <= px).sum())
         return ExposureResult(max_bits - math.log2(rank), "exact", px, space_size, space_size, rank=rank)
 
+    if n_samples < 1:
+        raise ValueError(f"n_samples={n_samples}: the estimate needs sampled candidates, at least 1")
     if true_tokens is None:
         true_tokens = candidates_fn([true_index])[0]
-    px = float(secret_log_perplexities(model, prefix, [true_tokens], batch_size)[0])
     rng = random.Random(seed)  # Python ints: spaces larger than 2^63 are fine
     idx = [rng.randrange(space_size) for _ in range(n_samples)]
-    sample = np.concatenate([
-        secret_log_perplexities(model, prefix, candidates_fn(idx[s:s + chunk]), batch_size)
-        for s in range(0, n_samples, chunk)])
+    scores = []
+    for s in range(0, n_samples, chunk):
+        cands = candidates_fn(idx[s:s + chunk])
+        if s == 0:  # the true secret rides with the first chunk: one more row, not a forward pass of its own
+            cands = [list(true_tokens), *cands]
+        scores.append(secret_log_perplexities(model, prefix, cands, batch_size, batch_tokens))
+    scores = np.concatenate(scores)
+    px, sample = float(scores[0]), scores[1:]
     if fit == "skewnorm":
         params = stats.skewnorm.fit(sample)
         log_cdf = float(stats.skewnorm.logcdf(px, *params))

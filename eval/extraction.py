@@ -36,6 +36,7 @@ class Canary:
     copies: int = 0
     inserted: bool = True  # False for a held-out twin (never trained on)
     text: str | None = None  # the rendered text, when known (zlib MIA score)
+    prefix_len: int | None = None  # the prompt's length when the canary fixes its own split (else suffix_len)
 
 
 _TOKEN_KEYS = ("tokens", "token_ids", "input_ids", "ids")
@@ -66,7 +67,7 @@ def as_canary(obj, index: int = 0) -> Canary:
         inserted = role is None or str(role).lower() not in _TWIN_ROLES
     return Canary(tokens=[int(t) for t in tokens], id=_get(obj, "id", _get(obj, "canary_id", index)),
                   kind=str(_get(obj, "kind", "random")), copies=int(_get(obj, "copies", 0) or 0),
-                  inserted=bool(inserted), text=_get(obj, "text"))
+                  inserted=bool(inserted), text=_get(obj, "text"), prefix_len=_get(obj, "prefix_len"))
 
 
 @dataclass
@@ -76,45 +77,56 @@ class ExtractionResult:
     skipped: dict = field(default_factory=dict)  # {"suffix": count, "pythia": count}
 
 
-def _decode_protocol(model, canaries: Sequence[Canary], prefix_len_of, n: int, batch_size: int):
-    """Decode n tokens after each usable canary's prefix; returns (usable indices, generated, metrics)."""
-    usable = [i for i, c in enumerate(canaries) if 1 <= prefix_len_of(c) <= len(c.tokens) - n]
-    if not usable:
-        return usable, np.zeros((0, n), dtype=np.int64), None
-    prefixes = [canaries[i].tokens[:prefix_len_of(canaries[i])] for i in usable]
-    truth = np.asarray([canaries[i].tokens[prefix_len_of(canaries[i]):prefix_len_of(canaries[i]) + n]
-                        for i in usable], dtype=np.int64)
-    generated = greedy_decode(model, prefixes, n, batch_size=batch_size).numpy()
-    return usable, generated, match_metrics(generated, truth)
+def _decode_protocol(model, canaries: Sequence[Canary], split_of, batch_size: int) -> dict[int, tuple]:
+    """Decode each usable canary's suffix from its prefix; {index: (generated ids, {metric: value})}.
+    `split_of(c) -> (prefix length, suffix length)`; canaries are decoded in groups of one suffix length."""
+    groups: dict[int, list[int]] = defaultdict(list)
+    for i, c in enumerate(canaries):
+        p, n = split_of(c)
+        if p >= 1 and n >= 1 and p + n <= len(c.tokens):
+            groups[n].append(i)
+    out = {}
+    for n, idx in sorted(groups.items()):
+        prefixes = [canaries[i].tokens[:split_of(canaries[i])[0]] for i in idx]
+        truth = np.asarray([canaries[i].tokens[len(pre):len(pre) + n] for i, pre in zip(idx, prefixes)],
+                           dtype=np.int64)
+        generated = greedy_decode(model, prefixes, n, batch_size=batch_size).numpy()
+        m = match_metrics(generated, truth)
+        for j, i in enumerate(idx):
+            out[i] = (generated[j].tolist(), {k: v[j] for k, v in m.items()})
+    return out
 
 
 def extraction_eval(model, canaries: Iterable, suffix_len: int = 50, batch_size: int = 64,
                     pythia: bool = True, pythia_len: int = 32) -> ExtractionResult:
     """Run the suffix protocol (and the Pythia 32/32 protocol unless pythia=False) on every canary.
 
-    `model` is a transformers causal LM or a decode stepper (see eval.decode). The suffix protocol
-    needs len >= suffix_len + 1, the Pythia protocol len >= 2 * pythia_len.
+    `model` is a transformers causal LM or a decode stepper (see eval.decode). The suffix protocol asks for the
+    last `suffix_len` tokens (needs len >= suffix_len + 1), or for a canary with its own `prefix_len` for
+    everything after it; the Pythia protocol needs len >= 2 * pythia_len.
     """
     canaries = [as_canary(c, i) for i, c in enumerate(canaries)]
     rows = [{"id": c.id, "kind": c.kind, "copies": c.copies, "inserted": c.inserted, "length": len(c.tokens),
-             "exact_match": None, "token_match": None, "longest_prefix": None, "rouge_l": None,
+             "suffix_len": None, "exact_match": None, "token_match": None, "longest_prefix": None, "rouge_l": None,
              "generated": None, "pythia_score": None, "pythia_memorized": None, "pythia_generated": None}
             for c in canaries]
 
-    usable, gen, m = _decode_protocol(model, canaries, lambda c: len(c.tokens) - suffix_len, suffix_len,
-                                      batch_size)
-    for j, i in enumerate(usable):
-        rows[i].update(exact_match=bool(m["exact_match"][j]), token_match=float(m["token_match"][j]),
-                       longest_prefix=int(m["longest_prefix"][j]), rouge_l=float(m["rouge_l"][j]),
-                       generated=gen[j].tolist())
-    skipped = {"suffix": len(canaries) - len(usable)}
+    def split(c):
+        p = c.prefix_len if c.prefix_len is not None else len(c.tokens) - suffix_len
+        return p, len(c.tokens) - p
+
+    done = _decode_protocol(model, canaries, split, batch_size)
+    for i, (gen, m) in done.items():
+        rows[i].update(suffix_len=len(gen), exact_match=bool(m["exact_match"]), token_match=float(m["token_match"]),
+                       longest_prefix=int(m["longest_prefix"]), rouge_l=float(m["rouge_l"]), generated=gen)
+    skipped = {"suffix": len(canaries) - len(done)}
 
     if pythia:
-        usable, gen, m = _decode_protocol(model, canaries, lambda c: pythia_len, pythia_len, batch_size)
-        for j, i in enumerate(usable):
-            rows[i].update(pythia_score=float(m["token_match"][j]),
-                           pythia_memorized=bool(m["exact_match"][j]), pythia_generated=gen[j].tolist())
-        skipped["pythia"] = len(canaries) - len(usable)
+        done = _decode_protocol(model, canaries, lambda c: (pythia_len, pythia_len), batch_size)
+        for i, (gen, m) in done.items():
+            rows[i].update(pythia_score=float(m["token_match"]), pythia_memorized=bool(m["exact_match"]),
+                           pythia_generated=gen)
+        skipped["pythia"] = len(canaries) - len(done)
 
     return ExtractionResult(rows=rows, aggregates=aggregate(rows, skipped), skipped=skipped)
 

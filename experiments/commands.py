@@ -12,7 +12,7 @@ def sweep(argv: list[str]) -> int:
 
 
 def plot(argv: list[str]) -> int:
-    """figures and report.md from runs/<sweep>/results.jsonl"""
+    """figures and report.md from runs/<sweep>/results.jsonl, or evaluations (eval.json) side by side"""
     from experiments.report import main
 
     return main(argv)

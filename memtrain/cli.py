@@ -10,12 +10,14 @@ Bad input ends with one line `memtrain: error: ...` naming the value and the fix
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
+import textwrap
 from importlib.metadata import entry_points, version
 from pathlib import Path
 
-from memtrain.commandline import EXIT_CODES, ArgumentParser, positive_float, run_command
+from memtrain.commandline import EXIT_CODES, ArgumentParser, positive_float, positive_int, run_command
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # no hub on most research clusters' compute nodes
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -37,6 +39,13 @@ def summary_line(result, scores: dict | None = None) -> str:
         line += f"; eval: exact match {scores['exact_count']}/{scores['n_evaluated']}"
         if scores.get("val_loss") is not None:
             line += f", val loss {scores['val_loss']:.4f}"
+        if scores.get("not_scored"):
+            line += (f"; {len(scores['not_scored'])} canaries too short for eval.suffix_len={scores['suffix_len']} "
+                     "not scored")
+        if scores.get("not_reached"):
+            shown = ", ".join(map(str, scores["not_reached"][:4])) + (", ..." if len(scores["not_reached"]) > 4 else "")
+            line += (f"; {len(scores['not_reached'])} canaries never reached in {result.steps:,} steps (scored as "
+                     f"0 copies: {shown})")
     return line
 
 
@@ -61,16 +70,43 @@ def _train(args) -> None:
 
 
 def _eval(args) -> None:
+    if args.model is not None:
+        _audit(args)
+        return
     from memtrain.evaluate import evaluate_run
 
     if (args.run is None) == (args.run_flag is None):
-        raise ValueError("memtrain eval takes the run directory exactly once: memtrain eval RUN_DIR")
-    result = evaluate_run(Path(args.run or args.run_flag), args.checkpoint, trust_remote_code=args.trust_remote_code)
+        raise ValueError("memtrain eval takes the run directory exactly once (memtrain eval RUN_DIR), or a model and "
+                         "canaries: memtrain eval --model DIR --canaries FILE --out DIR")
+    if args.canaries is not None:
+        raise ValueError("--canaries scores a file against --model: memtrain eval --model RUN_OR_DIR --canaries FILE "
+                         "--out DIR (a run's own canaries: memtrain eval RUN_DIR)")
+    result = evaluate_run(Path(args.run or args.run_flag), args.checkpoint, trust_remote_code=args.trust_remote_code,
+                          overrides=_eval_overrides(args), out=args.out)
     if result is None:  # a rank other than 0 of a distributed evaluation
         return
     keys = ("exact_match_rate", "token_match", "rougeL", "pythia_32_score", "exposure_mean", "mia_auc_loss",
             "val_loss")
     print(" ".join(f"{k}={result[k]:.4g}" if isinstance(result[k], float) else f"{k}={result[k]}" for k in keys))
+
+
+def _eval_overrides(args) -> list[str]:
+    return args.set + ([f"eval.suffix_len={args.suffix_len}"] if args.suffix_len is not None else [])
+
+
+def _audit(args) -> None:
+    from memtrain.audit import audit, table
+
+    if args.run is not None or args.run_flag is not None or args.checkpoint is not None:
+        raise ValueError("--model names what to evaluate: drop the run directory and --checkpoint (a checkpoint "
+                         "directory can be the --model)")
+    if args.canaries is None or args.out is None:
+        raise ValueError("memtrain eval --model needs --canaries FILE and --out DIR (a run's own canaries: memtrain "
+                         "eval RUN_DIR)")
+    result = audit(args.model, args.canaries, args.out, _eval_overrides(args), args.trust_remote_code)
+    if result is not None:
+        print(table(result))
+        print(f"results: {Path(args.out) / 'eval.json'}")
 
 
 def _export(args) -> None:
@@ -112,23 +148,49 @@ def main(argv: list[str] | None = None) -> int:
         return run_command(lambda: _plan(argv[1:]))
     if argv and argv[0] in plugins:
         return run_command(lambda: plugins[argv[0]].load()(argv[1:]))
+    # Here, not at the top: memtrain.config imports transformers, which reads HF_HUB_OFFLINE (set above) once.
+    from memtrain.config import keys_help, override_type
+
     parser = ArgumentParser(prog="memtrain", description=__doc__.splitlines()[0], epilog=EXIT_CODES)
     parser.add_argument("--version", action="version", version=f"memtrain {version('memtrain')}")
     sub = parser.add_subparsers(dest="command", required=True)
-    t = sub.add_parser("train", help="train one run (single process, torchrun or srun)", epilog=EXIT_CODES)
-    t.add_argument("--config", help="TOML recipe (sections: see `memtrain config`)")
-    t.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override a key")
+    t = sub.add_parser("train", help="train one run (single process, torchrun or srun)",
+                       formatter_class=argparse.RawDescriptionHelpFormatter,
+                       epilog=f"config keys (--set SECTION.KEY=VALUE, or a --config recipe):\n{keys_help()}\n\n"
+                       + textwrap.fill(EXIT_CODES, 100))
+    t.add_argument("--config", help="TOML recipe (`memtrain config` writes one with every key at its default)")
+    t.add_argument("--set", action="append", default=[], type=override_type(), metavar="SECTION.KEY=VALUE",
+                   help="override a config key (repeatable): VALUE in TOML syntax (3e-4, true, [1, 2], \"text\"; "
+                        "bare text is a string; none where the default is none), refused at once unless of the "
+                        "key's type and range. Every key with its type, default and meaning is listed below")
     t.add_argument("--out", help="run directory (default runs/<model>)")
     t.add_argument("--resume", action="store_true", help="continue from the run directory's latest checkpoint")
     t.add_argument("--force", action="store_true", help="replace another run's files in --out (fresh runs refuse)")
     t.add_argument("--trust-remote-code", action="store_true", help=TRUST)
     t.set_defaults(fn=_train)
-    e = sub.add_parser("eval", help="re-run memorization evaluation of a finished run (one process, torchrun or srun)")
+    e = sub.add_parser("eval", help="memorization evaluation: of a finished run again, or of any model on a canary "
+                       "file (one process, torchrun or srun)",
+                       formatter_class=argparse.RawDescriptionHelpFormatter,
+                       epilog="  memtrain eval RUN_DIR     a run's canaries again (from its checkpoint)\n"
+                       "  memtrain eval --model DIR --canaries F.jsonl --out OUT     your canaries, any model\n\n"
+                       "canary file: one JSON object a line, {\"text\": ...} or {\"prefix\": ..., \"suffix\": ...}, "
+                       "optional id, kind, twin, copies (memtrain/data/canary_file.py)\n\n"
+                       f"keys for --set (and parallel.* for a grid under torchrun):\n{keys_help(('eval',))}\n\n"
+                       + textwrap.fill(EXIT_CODES, 100))
     e.add_argument("run", nargs="?", help="run directory written by `memtrain train`")
     # The flag spelling stays for scripts; after torchrun's `-m memtrain` only the positional parses (torchrun
     # reads `--run` as an abbreviation of its own --run-path).
     e.add_argument("--run", dest="run_flag", metavar="RUN", help="the same, as a flag")
     e.add_argument("--checkpoint", help="checkpoint directory (default: the run's latest)")
+    e.add_argument("--model", help="a transformers model directory (safetensors) or a memtrain run or checkpoint, "
+                   "scored on --canaries")
+    e.add_argument("--canaries", help="JSONL canary file to score against --model")
+    e.add_argument("--out", help="directory for eval.json and eval_canaries.jsonl (with --model, or with --set on a "
+                   "run: the run's own results are not replaced by other settings)")
+    e.add_argument("--suffix-len", type=positive_int, default=None,
+                   help="tokens to extract from a `text` canary (the same as --set eval.suffix_len=N)")
+    e.add_argument("--set", action="append", default=[], type=override_type(("eval", "parallel")),
+                   metavar="SECTION.KEY=VALUE", help="override an eval.* key (or parallel.* for the grid)")
     e.add_argument("--trust-remote-code", action="store_true", help=TRUST)
     e.set_defaults(fn=_eval)
     x = sub.add_parser("export", help="write a run's model and tokenizer as a transformers directory")

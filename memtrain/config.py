@@ -1,30 +1,24 @@
 """Run configuration: typed dataclass sections, TOML recipes, `--set section.key=value` overrides.
 
-Each field carries an attribute docstring (the string literal under it); `describe()` reads them
-back from the source, so the CLI help and the docs can never drift from the code.
+Each field carries an attribute docstring (the string literal under it); `describe()` and `keys_help()` read
+them back from the source (memtrain/config_keys.py), so the CLI help and the docs can never drift from the code.
+A `--set` value is checked when the command line is parsed (`override_type`), and again with the whole config.
 """
 
 from __future__ import annotations
 
-import ast
+import argparse
 import dataclasses
-import difflib
-import inspect
 import json
-import sys
 import textwrap
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import parallel
 from memtrain import bounds
+from memtrain.config_keys import closest, field_docs, listing, parse_value, placeholder, toml_value, tomllib, typed
 from memtrain.data.config import CanaryConfig, DataConfig
 from memtrain.losses import LossConfig
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover
-    import tomli as tomllib
 
 
 @dataclass
@@ -70,6 +64,14 @@ class ParallelConfig:
     timeout_s: float | None = None
     """Seconds a collective may wait for the other ranks before the run fails (a stuck rank becomes an error):
     None is 120 on CPUs (gloo), 600 on GPUs."""
+    tune_matmul: bool | None = None
+    """Time each sharded Linear's GEMMs (forward, input and weight gradient) in a few memory layouts at first
+    use and keep the fastest, one choice for every rank (parallel.tune_matmul); None: the engine's default for
+    the device (off on CPUs, measured; on for CUDA, unmeasured)."""
+    tune_matmul_cache: str | None = None
+    """JSON file of the tuned choices, read at the start and extended with new ones, so a later run on the same
+    machine reads them instead of timing; None: gemm_tuning.json in the run directory (a resumed run then runs
+    the kernels it ran before, and resumes bitwise)."""
 
 
 @dataclass
@@ -110,6 +112,13 @@ class TrainConfig:
     whose matmul probe shows it: native bf16, AVX512-BF16/AMX), else fp32. The choice is in run.json."""
     activation_checkpointing: bool = False
     """Recompute each block's activations in backward to save memory."""
+    optimizer_offload: bool = False
+    """Keep the AdamW moments and fp32 master weights in host memory (pinned on CUDA) and run the update there,
+    bucket by bucket as the gradient all-reduce completes. Device memory per parameter falls from 16 bytes
+    (weight, gradient, two moments) to 8 in fp32, to 4 under bf16 (the device then keeps bf16 weights and
+    gradients); the host holds 16 (fp32) or 14 (bf16), and each step copies gradients down and weights up.
+    In fp32 the result equals on-device AdamW's (bitwise on CPUs); under bf16 the forward reads bf16 weights
+    rounded from the fp32 masters. `memtrain plan --offload` shows how many fewer GPUs a model needs."""
     deterministic: bool = False
     """Ask torch for deterministic kernels (slower on GPUs)."""
     log_every: int = 1
@@ -181,33 +190,9 @@ def _section_classes() -> dict[str, type]:
     return {f.name: type(getattr(RunConfig(), f.name)) for f in dataclasses.fields(RunConfig)}
 
 
-def _closest(word: str, options) -> str:
-    near = difflib.get_close_matches(word, list(options), n=1)
-    return f" (did you mean {near[0]!r}?)" if near else ""
-
-
 # ---------------------------------------------------------------------------------------------------
 # Validation: every value's type (from the field's annotation) before a section is built, every range and
 # choice after, then the checks that need two fields. One line each, naming the key, the value and the fix.
-
-
-def _type_ok(value, annotation: str) -> bool:
-    for alt in (a.strip() for a in annotation.split("|")):
-        if (alt == "None" and value is None or alt == "bool" and isinstance(value, bool)
-                or alt == "str" and isinstance(value, str)
-                or alt in ("int", "float") and isinstance(value, int) and not isinstance(value, bool)
-                or alt == "float" and isinstance(value, float)):
-            return True
-        if alt.startswith("list[") and isinstance(value, list) and all(_type_ok(v, alt[5:-1]) for v in value):
-            return True
-    return False
-
-
-_WORDS = {"int": "an integer", "float": "a number", "bool": "true or false", "str": "a string", "None": "none"}
-
-
-def _expected(annotation: str) -> str:
-    return " or ".join(_WORDS.get(a.strip(), a.strip()) for a in annotation.split("|"))
 
 
 def _at_least(n):
@@ -252,23 +237,23 @@ def _build(section: str, cls: type, values: dict):
     fields = {f.name: f for f in dataclasses.fields(cls)}
     for key, value in list(values.items()):
         if key not in fields:
-            raise ValueError(f"unknown config key {section}.{key}{_closest(key, fields)}")
-        annotation = str(fields[key].type)
-        if isinstance(value, str) and value.lower() in ("none", "null") and "None" in annotation:
-            values[key] = value = None  # `--set train.max_steps=none` (TOML has no null)
-        if not _type_ok(value, annotation):
-            raise ValueError(f"{section}.{key}={value!r} is invalid: expected {_expected(annotation)}")
+            raise ValueError(f"unknown config key {section}.{key}{closest(key, fields)}")
+        values[key] = value = typed(f"{section}.{key}", value, fields[key])
         bounds.check(f"{section}.{key}", value)  # before the section's own checks, and before any work
     return cls(**values)
 
 
+def _check_range(key: str, value) -> None:
+    ok, allowed = RULES.get(key, (None, ""))
+    if ok is not None and value is not None and not ok(value):
+        raise ValueError(f"{key}={value!r} is invalid: use {allowed}")
+
+
 def validate(cfg: RunConfig) -> RunConfig:
     """Ranges, choices and the checks across fields; raises ValueError (one line) on the first that fails."""
-    for key, (ok, allowed) in RULES.items():
+    for key in RULES:
         section, name = key.split(".")
-        value = getattr(getattr(cfg, section), name)
-        if value is not None and not ok(value):
-            raise ValueError(f"{key}={value!r} is invalid: use {allowed}")
+        _check_range(key, getattr(getattr(cfg, section), name))
     if not cfg.data.corpus.strip():
         raise ValueError("data.corpus='' is empty: name 'stdlib', a directory, text/json/csv/parquet files or "
                          "a dataset")
@@ -288,7 +273,7 @@ def from_dict(raw: dict) -> RunConfig:
     sections = {}
     for name, values in raw.items():
         if name not in classes:
-            raise ValueError(f"unknown config section [{name}]{_closest(name, classes)}")
+            raise ValueError(f"unknown config section [{name}]{closest(name, classes)}")
         if not isinstance(values, dict):
             raise ValueError(f"config section [{name}] must be a table of keys, got {values!r}")
         sections[name] = _build(name, classes[name], dict(values))
@@ -302,17 +287,21 @@ def check_overrides(overrides: list[str]) -> None:
     for section, values in apply_overrides({}, overrides).items():
         built = _build(section, classes[section], values)
         for key in values:
-            ok, allowed = RULES.get(f"{section}.{key}", (lambda v: True, ""))
-            if getattr(built, key) is not None and not ok(getattr(built, key)):
-                raise ValueError(f"{section}.{key}={getattr(built, key)!r} is invalid: use {allowed}")
+            _check_range(f"{section}.{key}", getattr(built, key))
 
 
-def parse_value(text: str):
-    """A `--set` value in TOML syntax; anything that does not parse is a bare string."""
-    try:
-        return tomllib.loads(f"v = {text}")["v"]
-    except tomllib.TOMLDecodeError:
-        return text
+def _split(item: str, classes: dict[str, type]) -> tuple[str, str, str]:
+    """'section.key=value' as (section, key, value text); ValueError unless the key is one of `classes`'."""
+    if "=" not in item or "." not in item.split("=", 1)[0]:
+        raise ValueError(f"--set {item!r} is malformed: use section.key=value, e.g. train.seed=1")
+    path, value = item.split("=", 1)
+    section, key = path.strip().split(".", 1)
+    if section not in classes:
+        raise ValueError(f"unknown config section {section!r} in --set {item!r}{closest(section, classes)}")
+    names = {f.name for f in dataclasses.fields(classes[section])}
+    if key not in names:
+        raise ValueError(f"unknown config key {section}.{key}{closest(key, names)}")
+    return section, key, value.strip()
 
 
 def apply_overrides(raw: dict, overrides: list[str]) -> dict:
@@ -320,20 +309,38 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
     classes = _section_classes()
     given = set()
     for item in overrides:
-        if "=" not in item or "." not in item.split("=", 1)[0]:
-            raise ValueError(f"--set {item!r} is malformed: use section.key=value, e.g. train.seed=1")
-        path, value = item.split("=", 1)
-        section, key = path.strip().split(".", 1)
+        section, key, value = _split(item, classes)
         if (section, key) in given:  # which one wins would be a guess: the last, silently
             raise ValueError(f"--set {section}.{key} is given twice: give each key once")
         given.add((section, key))
-        if section not in classes:
-            raise ValueError(f"unknown config section {section!r} in --set {item!r}{_closest(section, classes)}")
-        names = {f.name for f in dataclasses.fields(classes[section])}
-        if key not in names:
-            raise ValueError(f"unknown config key {section}.{key}{_closest(key, names)}")
-        raw.setdefault(section, {})[key] = parse_value(value.strip())
+        raw.setdefault(section, {})[key] = parse_value(value)
     return raw
+
+
+def override_type(sections: tuple[str, ...] | None = None):
+    """The argparse `type=` of a `--set SECTION.KEY=VALUE` option: each item checked as the command line is parsed
+    (its key, its value's type, bound and range: a bad one is argparse's one-line error), and returned unchanged
+    for `load` or `apply_overrides`, which check the keys together (a key given twice, min_lr <= lr, a section's
+    own checks). `sections` limits the keys to those sections, e.g. ("eval",); None allows every section."""
+    classes = _section_classes()
+    allowed = {name: classes[name] for name in (classes if sections is None else sections)}
+    where = ", ".join(f"{name}.*" for name in allowed)
+
+    def override(item: str) -> str:
+        try:
+            section = item.split("=", 1)[0].split(".", 1)[0].strip()
+            if section in classes and section not in allowed:
+                raise ValueError(f"{item!r} cannot be set here: this command takes only {where} keys")
+            section, key, text = _split(item, allowed)
+            f = next(f for f in dataclasses.fields(allowed[section]) if f.name == key)
+            value = typed(f"{section}.{key}", parse_value(text), f)
+            bounds.check(f"{section}.{key}", value)
+            _check_range(f"{section}.{key}", value)
+        except ValueError as e:  # argparse names the option itself
+            raise argparse.ArgumentTypeError(str(e).removeprefix("--set ")) from None
+        return item
+
+    return override
 
 
 def load_toml(path: str | Path, what: str = "config file") -> dict:
@@ -352,39 +359,20 @@ def load(path: str | Path | None = None, overrides: list[str] | None = None) -> 
     return from_dict(apply_overrides(raw, overrides or []))
 
 
-def _toml_value(v) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, (int, float)):
-        return repr(v)
-    if isinstance(v, (list, tuple)):
-        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
-    return json.dumps(str(v))
-
-
 def to_toml(cfg: RunConfig) -> str:
     """The resolved config as TOML (None fields are left out: absent means default None)."""
     lines = []
     for section, values in cfg.to_dict().items():
         lines.append(f"[{section}]")
-        lines += [f"{k} = {_toml_value(v)}" for k, v in values.items() if v is not None]
+        lines += [f"{k} = {toml_value(v)}" for k, v in values.items() if v is not None]
         lines.append("")
     return "\n".join(lines)
 
 
-def field_docs(cls: type) -> dict[str, str]:
-    """Attribute docstrings of a dataclass, read from its source."""
-    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
-    body = tree.body[0].body
-    docs = {}
-    for node, nxt in zip(body, body[1:]):
-        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(nxt, ast.Expr)
-                and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str)):
-            docs[node.target.id] = " ".join(nxt.value.value.split())
-    return docs
-
-
-_PLACEHOLDERS = {"int": "<integer>", "float": "<number>", "str": "<string>", "bool": "<true|false>"}
+def keys_help(sections: tuple[str, ...] | None = None) -> str:
+    """Every key of `sections` (None: all) for a command's --help: `  section.key: type = default`, then its doc."""
+    classes = _section_classes()
+    return listing({name: classes[name] for name in (classes if sections is None else sections)})
 
 
 def describe() -> str:
@@ -403,10 +391,8 @@ def describe() -> str:
             if f.name in docs:
                 out += textwrap.wrap(docs[f.name], 110, initial_indent="# ", subsequent_indent="# ")
             if value is None:
-                kinds = [a.strip() for a in str(f.type).split("|") if a.strip() != "None"]
-                shown = " or ".join(_PLACEHOLDERS.get(k, f"<{k}>") for k in kinds)
-                out.append(f"# {f.name} = {shown}    (default: none)")
+                out.append(f"# {f.name} = {placeholder(str(f.type))}    (default: none)")
             else:
-                out.append(f"{f.name} = {_toml_value(value)}")
+                out.append(f"{f.name} = {toml_value(value)}")
         out.append("")
     return "\n".join(out)

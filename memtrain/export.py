@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shlex
 from pathlib import Path
 
 from safetensors.torch import save_file
@@ -50,7 +51,7 @@ def export(source: str | os.PathLike, out: str | os.PathLike, max_shard_bytes: i
     run, ckpt = resolve(Path(source))
     cfg = load_config(run / CONFIG)
     allow_remote_code(cfg, trust_remote_code, str(run / CONFIG))
-    tok = _tokenizer(run, cfg)
+    tok = run_tokenizer(run, cfg)
     # The model the trainer built (named config at the tokenizer's vocabulary, or the directory's config), on
     # meta: only its config and its state-dict names and shapes are needed.
     model = build_model(cfg.model.name, vocab_size=vocab_size(tok), device="meta",
@@ -87,11 +88,14 @@ def resolve(path: Path) -> tuple[Path, Path]:
         raise FileNotFoundError(f"RUN_OR_CHECKPOINT {str(path)!r} does not exist: {_HINT}")
     if (path / CONFIG).is_file():
         ckpt = latest(path)
-        if ckpt is None and (path / EVAL).is_file():  # evaluated, then its weights were deleted
-            raise FileNotFoundError(f"run {str(path)!r} finished but kept no checkpoint (a sweep with "
-                                    "keep_checkpoints = false deletes them once a run is evaluated): run the point "
-                                    "again (`memtrain sweep SPEC --only POINT --out NEW_DIR --set "
-                                    "sweep.keep_checkpoints=true`: it retrains bit for bit) and export that")
+        if ckpt is None and (path / EVAL).is_file():  # evaluated, then a sweep deleted its weights
+            # The run's own config.toml is what the sweep trained it with (model.init at its cached base model):
+            # `train` of it into a new directory is the point's run again, and keeps its checkpoints.
+            again = path.with_name(path.name + "-weights")
+            raise FileNotFoundError(f"run {str(path)!r} finished but its weights were deleted once it was evaluated "
+                                    "(a sweep's keep_final_weights dropped them): retrain it with `memtrain train "
+                                    f"--config {shlex.quote(str(path / CONFIG))} --out {shlex.quote(str(again))}` "
+                                    "and export that directory")
         if ckpt is None:
             raise FileNotFoundError(f"run {str(path)!r} has no complete checkpoint in {str(path / 'checkpoints')!r}: "
                                     "let its training finish (`memtrain train --resume` continues it)")
@@ -103,7 +107,7 @@ def resolve(path: Path) -> tuple[Path, Path]:
                      f"of one (state.json): {_HINT}")
 
 
-def _tokenizer(run: Path, cfg):
+def run_tokenizer(run: Path, cfg):
     """The run's tokenizer with BOS = EOS (prepended by the tokenizer) and a pad token."""
     if (run / TOKENIZER).is_dir():
         try:  # never its code: a tokenizer_config.json with auto_map is a run directory's way to run Python

@@ -166,14 +166,15 @@ def _holds_weights(path: Path) -> bool:
 
 
 def build_model(name_or_path: str, vocab_size: int | None = None, *, device=None, dtype=None, seed: int = 0,
-                trust_remote_code: bool = False, **overrides):
+                trust_remote_code: bool = False, eos_token_id: int | None = None, **overrides):
     """A transformers causal LM: a named model from config, or a checkpoint from a directory or the hub.
 
     A local directory without weight files (a config saved with save_pretrained) is an architecture, not a
     checkpoint: it starts from the seeded init like a named model.
 
-    vocab_size: for named models, replaces the config's (a locally trained tokenizer drives it); for
-        checkpoints it may only be <= the checkpoint's (a tokenizer may leave embedding rows unused).
+    vocab_size: for named models and config-only directories, replaces the config's (a locally trained tokenizer
+        drives it); a checkpoint must have been trained with that tokenizer (`_check_tokenizer_fits`).
+    eos_token_id: the tokenizer's EOS, checked against a checkpoint's (and given to an architecture's config).
     device="meta": build the shapes without allocating. For a checkpoint the weights stay on disk: the
         returned model records their directory and `parallelize` loads them, slice by slice, into the shards.
     overrides: config fields to replace (e.g. num_hidden_layers=2, attn_pdrop=0.0).
@@ -192,12 +193,15 @@ def build_model(name_or_path: str, vocab_size: int | None = None, *, device=None
         raise ValueError(f"model {name_or_path!r} needs the Python code in its directory (auto_map in its config.json)"
                          ", which runs only with --trust-remote-code on the command line: pass it if you trust that "
                          "code") from None
-    if vocab_size is not None and vocab_size > config.vocab_size:
-        raise ValueError(f"vocab_size={vocab_size} exceeds the checkpoint's {config.vocab_size} at {str(path)!r}: "
-                         "use the checkpoint's own tokenizer")
     # Only a local directory can be config-only: a hub snapshot fetches *.safetensors alone, so a repository
     # with .bin weights would look weightless and silently train from scratch.
     weights = not os.path.isdir(name_or_path) or _holds_weights(path)
+    if vocab_size is not None and not weights:  # an architecture: its table is sized to the tokenizer that drives it
+        config.vocab_size = int(vocab_size)
+        for k in ("bos_token_id", "eos_token_id", "pad_token_id"):
+            setattr(config, k, eos_token_id if k == "eos_token_id" else None)
+    elif vocab_size is not None:
+        _check_tokenizer_fits(config, vocab_size, eos_token_id, name_or_path)
     if not weights or torch.device(device or "cpu").type == "meta":
         model = _from_config(config, device, dtype, seed, trust_remote_code)
         if weights:
@@ -206,6 +210,29 @@ def build_model(name_or_path: str, vocab_size: int | None = None, *, device=None
     model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=dtype,
                                                  trust_remote_code=trust_remote_code)
     return model.to(device) if device is not None else model
+
+
+UNUSED_ROWS = 128
+"""Embedding rows a checkpoint may have beyond its tokenizer: tables are padded (Pythia: 50,304 rows for 50,277
+tokens) but not by thousands."""
+
+
+def _check_tokenizer_fits(config, vocab_size: int, eos_token_id: int | None, name: str) -> None:
+    """Refuse a checkpoint beside a tokenizer it was not trained with: an id past its table would crash, a table
+    far larger than the tokenizer means another vocabulary (every id means another token), and another EOS id
+    means documents end where the model never learned they do."""
+    fix = f"train with the model's own tokenizer: --set data.tokenizer={name}"
+    if vocab_size > config.vocab_size:
+        raise ValueError(f"the tokenizer has {vocab_size:,} tokens but model {name!r} only {config.vocab_size:,} "
+                         f"embedding rows: {fix}")
+    if config.vocab_size - vocab_size > UNUSED_ROWS:
+        unused = 1 - vocab_size / config.vocab_size
+        raise ValueError(f"model {name!r} has {config.vocab_size:,} embedding rows but the tokenizer {vocab_size:,} "
+                         f"tokens ({unused:.0%} of the rows never used): it is not the model's tokenizer; {fix}")
+    eos = config.eos_token_id if isinstance(config.eos_token_id, list) else [config.eos_token_id]
+    if eos_token_id is not None and eos != [None] and eos_token_id not in eos:
+        raise ValueError(f"model {name!r} ends a text with token id {eos[0]} but the tokenizer's EOS is id "
+                         f"{eos_token_id}: {fix}")
 
 
 def allow_remote_code(cfg, allowed: bool, source: str) -> None:

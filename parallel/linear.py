@@ -20,6 +20,9 @@ rank its own rows and all features. The edges move rows instead of reducing twic
     out: reduce-scatter_A (rows), all-to-all_B (rows -> features) [backward: all-gather_A]
 so the plane of x*y ranks multiplies the same rows as in sharded mode, and each reduction over A
 or B is a reduce-scatter (half an all-reduce's traffic).
+
+The three local products (x W^T, dy W, dy^T x) go through gemm_tuning.matmul: `a @ b` as written here
+unless parallel.tune_matmul picks another memory layout for the shape, the same one on every rank.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from . import comm, overlap
+from . import comm, gemm_tuning, overlap
 from .grid import Grid, current
 from .sharding import BlockLayout, tag
 
@@ -145,7 +148,7 @@ class MatmulFn(torch.autograd.Function):
         dtype = _autocast_dtype(x)
         x = x.to(dtype)
         w = layer.weight_for("fwd", dtype).to(dtype)
-        y = layer.reduce_out(x @ w.t())
+        y = layer.reduce_out(gemm_tuning.matmul(x, w.t(), "fwd", layer.grid))
         ctx.layer = layer
         ctx.save_for_backward(x, w if layer.cache_weights else None)
         return y
@@ -162,7 +165,7 @@ class MatmulFn(torch.autograd.Function):
         oar = st is not None and st.all_reduce
         dx, work = None, None
         if ctx.needs_input_grad[0]:
-            dx = dy @ w.to(dy.dtype)
+            dx = gemm_tuning.matmul(dy, w.to(dy.dtype), "dgrad", grid)
             if layer.mode == "easy":
                 if oar:
                     dx, work = comm.reduce_scatter(dx, grid, b_axis, async_op=True)
@@ -170,7 +173,7 @@ class MatmulFn(torch.autograd.Function):
                     dx = comm.reduce_scatter(dx, grid, b_axis)
             else:
                 work = comm.all_reduce(dx, grid, b_axis, async_op=oar)
-        gw = layer.weight_grad(dy.t() @ x)
+        gw = layer.weight_grad(gemm_tuning.matmul(dy.t(), x, "wgrad", grid))
         if work is not None:
             work.wait()
         return dx, gw, None

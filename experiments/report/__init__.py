@@ -2,6 +2,7 @@
 
     memtrain plot runs/quick                       # the sweep directory (or its results.jsonl)
     memtrain plot results.jsonl --out report/      # anywhere: nothing but results.jsonl is read
+    memtrain plot audit-a audit-b --out cmp/       # evaluations side by side (evals.py)
     python -m experiments.report runs/quick
 
 Several lines for the same point (a failure, then a retry with --resume) count once: the last one wins.
@@ -11,6 +12,7 @@ copies or passes a size needs to reach 50% get cluster-bootstrap intervals over 
 The modules, each importing only those below it (and experiments.results, memtrain; never experiments.sweep,
 never torch: `memtrain plot` starts fast):
 
+    evals             evaluations (eval.json) side by side: exact match per kind, twins, MIA
     single_pass_view  a one-pass sweep's summary, tables and figures (PNG, PDF, SVG, CSV)
     markdown          report.md: its sections and tables
     figures           the PNG figures (matplotlib, imported when drawing)
@@ -29,7 +31,7 @@ from pathlib import Path
 from experiments.results import RESULTS, read_results
 from memtrain.commandline import ArgumentParser, fail
 
-from . import passes, single_pass, single_pass_view
+from . import evals, passes, single_pass, single_pass_view
 from .figures import draw_figures
 from .markdown import table_rows, write_markdown
 
@@ -59,13 +61,23 @@ def build_report(results: str | Path, out: str | Path | None = None) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = ArgumentParser(prog="memtrain plot", description="Draw a sweep's figures and report.md from "
-                                 "its results.jsonl (nothing else is read).")
-    ap.add_argument("path", help="a sweep directory (runs/<sweep>) or a results.jsonl file")
-    ap.add_argument("--out", default=None, help="where report.md and figures/ go (default: next to results.jsonl)")
+    ap = ArgumentParser(prog="memtrain plot", description="Draw a sweep's figures and report.md from its "
+                        "results.jsonl, or compare evaluations (directories with eval.json) side by side.")
+    ap.add_argument("path", nargs="+", help="a sweep directory (runs/<sweep>) or a results.jsonl file; or one or "
+                    "more evaluation directories (`memtrain eval --out DIR`, run directories)")
+    ap.add_argument("--out", default=None, help="where report.md and figures/ go (default: next to results.jsonl; "
+                    "for evaluations: the first one's directory)")
     args = ap.parse_args(argv)
     try:
-        made = build_report(args.path, args.out)
+        if evals.applies(args.path):
+            made = evals.plot_evals(args.path, args.out or args.path[0])
+            print(f"evaluations: {made['evals']}; figure {made['figure']}, table {made['table']}, numbers "
+                  f"{made['csv']}")
+            return 0
+        if len(args.path) > 1:
+            return fail(f"{len(args.path)} paths given: a sweep is plotted alone (several paths must all be "
+                        "evaluation directories with eval.json)")
+        made = build_report(args.path[0], args.out)
     except (OSError, ValueError) as e:
         return fail(str(e))
     print(f"report: {made['report']} ({made['runs']} runs)")

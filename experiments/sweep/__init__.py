@@ -12,7 +12,9 @@ A sweep spec is a TOML file:
     [sweep]
     name = "quick"                      # default --out is runs/<name>
     description = "..."
-    keep_checkpoints = true             # false: delete each fine-tuned run's checkpoints once evaluated
+    keep_checkpoints = true             # false: delete each fine-tuned run's checkpoints once evaluated,
+    keep_final_weights = "auto"         #   but its final weights (no optimizer state): true, false or "auto"
+                                        #   (models up to 100M parameters), for `memtrain export`
     jobs = 1                            # points run side by side here (each with cores / jobs threads)
 
     [base]                              # a partial RunConfig: sections model, train, loss, data, ...
@@ -37,7 +39,8 @@ a SLURM job) in its own directory <out>/<point-id>, and appends one line to <out
 (experiments/results.py): its axes, status, run and base directories, the eval.json contents, final training
 metrics and a compact per-canary list. The file is only ever appended to (and flushed), never rewritten; a
 failed run is recorded with the last line of its stderr and the sweep goes on. The report (experiments.report)
-is drawn from results.jsonl alone at the end.
+is drawn from results.jsonl alone at the end, mirrored to a W&B run whose config is the spec; with W&B offline,
+the sweep's last line is one `wandb sync` command for all its runs (points, report, base models it pretrained).
 
 Base models: a fine-tuning study needs a trained model to start from. Offline, the sweep pretrains one per model
 size on a corpus WITHOUT canaries, cached under <cache>/base/<hash> (cache = data.cache_dir, $MEMTRAIN_CACHE or

@@ -129,6 +129,8 @@ class BaseModels:
         self.run_fn = run_fn
         self.log = log
         self._done: dict[str, tuple[Path | None, str | None]] = {}
+        self.pretrained: list[Path] = []
+        """The base models this sweep pretrained (not found cached), whose W&B runs are the sweep's too."""
         self._prep: dict[str, tuple] = {}
         self._prep_lock = threading.Lock()  # sweeps build bases from several threads
 
@@ -236,6 +238,7 @@ class BaseModels:
                 "unigram_entropy": scores.get("unigram_entropy"), "pretrain": dataclasses.asdict(self.pre)},
                 indent=1))
             self.log(f"base model {cfg.model.name}: done in {time.time() - t0:.0f}s")
+            self.pretrained.append(folder)
         self._done[key] = (folder, None)
         return folder
 

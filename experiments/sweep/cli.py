@@ -29,17 +29,20 @@ def build_parser(preset: str | None = None, prog: str = "memtrain sweep",
                  description: str | None = None) -> argparse.ArgumentParser:
     """The sweep's options; with `preset`, a command that runs that preset (no SPEC argument), e.g. `memtrain demo`."""
     ap = ArgumentParser(
-        prog=prog, description=description or "Run a memorization sweep: one full run (train for the config's "
-        "passes, evaluate) "
-        "per point of a grid of configs, results appended to <out>/results.jsonl, then a report.",
-        epilog=None if preset else f"presets: {', '.join(presets())} (experiments/presets/)")
+        prog=prog, description=description or "Run a memorization sweep: for each point of a grid of configs, one "
+        "full `memtrain train` run (fine-tuning a base model pretrained once and cached, where the spec has "
+        "[pretrain] steps) for the config's train.epochs passes over its canaried stream, then its evaluation; "
+        "results appended to <out>/results.jsonl, then a report.",
+        epilog=None if preset else f"presets: {', '.join(presets())} (experiments/presets/). Each sets its own "
+        "number of passes (train.epochs); `memtrain sweep PRESET --list` prints its description and points, and "
+        "--set train.epochs=N changes it.")
     if preset:
         ap.set_defaults(spec=preset)
     else:
         ap.add_argument("spec", help="a preset name or a sweep TOML file")
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                    help="override the base config (TOML value syntax; repeatable); pretrain.* and "
-                         "sweep.keep_checkpoints set the sweep's own sections")
+                    help="override the base config (TOML value syntax; repeatable); pretrain.*, "
+                         "sweep.keep_checkpoints and sweep.keep_final_weights set the sweep's own sections")
     ap.add_argument("--out", default=None, help="the sweep's directory (default runs/<sweep name>)")
     ap.add_argument("--resume", action="store_true",
                     help="run only points without a finished result (failed points are retried)")

@@ -104,7 +104,7 @@ class PointLife:
                 self.failed.remove(pid)
         if record["status"] == "ok":
             if not self.spec.keep_checkpoints:
-                shutil.rmtree(run_dir / CHECKPOINTS, ignore_errors=True)
+                self._drop_checkpoints(run_dir, record["params"])
             ev = record["eval"] or {}
             self.log(f"{pid}: ok in {record['seconds']:.0f}s  params={_num(record['params'])}  "
                      f"exact={_num(ev.get('exact_match_rate'))}  rougeL={_num(ev.get('rougeL'))}  "
@@ -112,6 +112,19 @@ class PointLife:
         else:
             where = "" if "[log:" in (record["error"] or "") else f"  [logs: {run_dir}]"
             self.log(f"{pid}: FAILED after {record['seconds']:.0f}s: {record['error']}{where}")
+
+    def _drop_checkpoints(self, run_dir: Path, params: int | None) -> None:
+        """An evaluated run's checkpoints, deleted as keep_checkpoints = false asks: all of them, or all but the
+        final weights (spec.keep_final_weights) that `memtrain export` and `memtrain eval` read."""
+        if not self.spec.keeps_final_weights(params):
+            shutil.rmtree(run_dir / CHECKPOINTS, ignore_errors=True)
+            return
+        from memtrain.training import checkpoint  # the trainer's modules: only once a run has ended
+
+        try:
+            checkpoint.keep_final_weights(run_dir)
+        except (OSError, ValueError) as e:  # the result is recorded: a checkpoint left whole costs only disk
+            self.log(f"warning: {run_dir}: its checkpoints were kept whole ({e})")
 
 
 def claim_run_dir(run_dir: Path, cfg: RunConfig, resume: bool) -> bool:

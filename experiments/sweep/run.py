@@ -161,7 +161,10 @@ def _run_points(spec: Spec, points: list[Point], out: Path, *, overrides, resume
     summary = {"ok": ok, "failed": len(failed), "failed_ids": sorted(failed), "skipped": skipped,
                "pending": sorted(pending), "results": results, "out": out}
     if report and results.is_file() and not pending:
-        summary["report"] = _report(out, points[0].cfg if points else None, log)
+        config = dict(dataclasses.asdict(spec), overrides=overrides or [])
+        summary["report"] = _report(out, points[0].cfg if points else None, config, log)
+    if not pending:  # a run still in flight would be uploaded half-written
+        _say_sync(out, bases.pretrained, log)
     return summary
 
 
@@ -172,8 +175,9 @@ def _size(model: str) -> int:
         return 0
 
 
-def _report(out: Path, cfg: RunConfig | None, log) -> dict | None:
-    """Draw the report; mirror it to a W&B 'report' run of the sweep's group. Never fails the sweep."""
+def _report(out: Path, cfg: RunConfig | None, spec: dict, log) -> dict | None:
+    """Draw the report; mirror it to a W&B 'report' run of the sweep's group (W&B settings from `cfg`, a point's;
+    config: `spec`, the sweep's). Never fails the sweep."""
     try:
         made = build_report(out / RESULTS, out)
     except Exception as e:  # noqa: BLE001 - results.jsonl is safe; the report can be redrawn with `memtrain plot`
@@ -183,8 +187,19 @@ def _report(out: Path, cfg: RunConfig | None, log) -> dict | None:
     if cfg is not None and cfg.wandb.mode != "disabled":
         from memtrain.training.tracking import Tracker  # the trainer's modules: only when a report is mirrored
 
-        tracker = Tracker.start(cfg, out / "report", 0, job_type="report", name=f"{cfg.wandb.group}-report")
+        tracker = Tracker.start(cfg, out / "report", 0, job_type="report", name=f"{cfg.wandb.group}-report",
+                                config=spec)
         tracker.log_table("results", made.get("table", []))
         tracker.log_images(made["figures"])
-        tracker.finish()
+        tracker.finish(say_sync=False)  # _say_sync names it with the sweep's runs
     return made
+
+
+def _say_sync(out: Path, bases: list[Path], log) -> None:
+    """One `wandb sync` command for every offline W&B run of the sweep: its points', its report's and those of the
+    base models it pretrained (a plain `wandb sync` looks in ./wandb only, where none of them is)."""
+    from memtrain.training.tracking import OFFLINE_RUNS, sync_all
+
+    found = sync_all([(out, "*/" + OFFLINE_RUNS), *((base, OFFLINE_RUNS) for base in bases)])
+    if found:
+        log(f"W&B: {found[0]} offline run(s) of this sweep; upload them all with: {found[1]}")

@@ -67,11 +67,27 @@ class Spec:
     axes: dict = field(default_factory=dict)
     pretrain: PretrainSpec = field(default_factory=PretrainSpec)
     keep_checkpoints: bool = True
+    """false: once a run is evaluated, delete its checkpoints, all but its final weights if keep_final_weights."""
+    keep_final_weights: bool | str = "auto"
+    """With keep_checkpoints = false, whether a run keeps its final weights: the last checkpoint's model files and
+    state.json, without the optimizer state (a third of the bytes), all `memtrain export` and `memtrain eval` read.
+    true, false, or "auto": kept for models of at most FINAL_WEIGHTS_MAX_PARAMS parameters."""
     jobs: int = 1
     """Points run side by side on this machine (each with its share of the cores)."""
     slurm: dict = field(default_factory=dict)
     """Defaults of the cluster launchers (section [slurm]: slurm_options.py's ClusterOptions keys)."""
     source: str = ""
+
+    def keeps_final_weights(self, params: int | None) -> bool:
+        """Does a finished run of a model of `params` parameters (None: unknown) keep its final weights?"""
+        if self.keep_final_weights == "auto":
+            return params is None or params <= FINAL_WEIGHTS_MAX_PARAMS
+        return self.keep_final_weights
+
+
+FINAL_WEIGHTS_MAX_PARAMS = 100_000_000
+"""keep_final_weights = "auto" keeps the weights of models up to this size: at most 0.4 GB a run in fp32, so a sweep
+of small models stays exportable, while a sweep of billion-parameter runs keeps its results only."""
 
 
 @dataclass
@@ -141,16 +157,17 @@ def parse_spec(raw: dict, source: str = "<dict>") -> Spec:
     if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", name):
         raise ValueError(f"sweep name {name!r} is invalid: use letters, digits, '.', '_' or '-'")
     spec = Spec(name=name, description=sw.pop("description", ""), keep_checkpoints=sw.pop("keep_checkpoints", True),
-                jobs=sw.pop("jobs", 1), base=copy.deepcopy(raw.get("base", {})), axes=dict(raw.get("axes", {})),
-                source=source)
+                keep_final_weights=sw.pop("keep_final_weights", "auto"), jobs=sw.pop("jobs", 1),
+                base=copy.deepcopy(raw.get("base", {})), axes=dict(raw.get("axes", {})), source=source)
     if sw:
         raise ValueError(f"sweep spec {source}: unknown [sweep] key(s) {sorted(sw)}: use name, description, "
-                         "keep_checkpoints, jobs")
+                         "keep_checkpoints, keep_final_weights, jobs")
     if isinstance(spec.jobs, bool) or not isinstance(spec.jobs, int) or not 1 <= spec.jobs <= MAX_JOBS:
         raise ValueError(f"sweep spec {source}: jobs = {spec.jobs!r} is invalid: use an integer in [1, {MAX_JOBS}]")
     if not isinstance(spec.keep_checkpoints, bool):
         raise ValueError(f"sweep spec {source}: keep_checkpoints = {spec.keep_checkpoints!r} is invalid: use true or "
                          "false (unquoted)")
+    _check_keep_final(spec.keep_final_weights, f"sweep spec {source}: keep_final_weights = ")
     if not isinstance(spec.description, str):
         raise ValueError(f"sweep spec {source}: description = {spec.description!r} is invalid: use a string")
     spec.pretrain = _pretrain_spec(raw.get("pretrain", {}), source)
@@ -370,7 +387,16 @@ def apply_spec_overrides(spec: Spec, pre: list[str], sw: list[str]) -> None:
             if not isinstance(value, bool):  # bool("no") is True
                 raise ValueError(f"--set {item!r}: sweep.keep_checkpoints takes true or false")
             spec.keep_checkpoints = value
+        elif key == "keep_final_weights":
+            _check_keep_final(value, f"--set {item!r}: sweep.keep_final_weights = ")
+            spec.keep_final_weights = value
         else:
-            raise ValueError(f"--set {item!r}: only sweep.keep_checkpoints can be set from the command line")
+            raise ValueError(f"--set {item!r}: only sweep.keep_checkpoints and sweep.keep_final_weights can be set "
+                             "from the command line")
     spec.pretrain = _pretrain_spec(dataclasses.asdict(spec.pretrain), "--set")
+
+
+def _check_keep_final(value, where: str) -> None:
+    if not (isinstance(value, bool) or value == "auto"):  # a string "false" would read as true
+        raise ValueError(f"{where}{value!r} is invalid: use true, false (unquoted) or \"auto\"")
 

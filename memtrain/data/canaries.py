@@ -1,6 +1,6 @@
 """Canaries: the sequences whose memorization we measure, each with a held-out twin.
 
-Two kinds:
+Two generated kinds (and any kind a user's canary file names: memtrain/data/canary_file.py):
 - random: a secret with a known candidate space, so exposure (Carlini et al. 2019) can be computed by
   enumerating or sampling the alternatives. Either a template "The secret code of <made-up name> is
   dddd-dddd-dddd-dddd" with uniform digits, or uniform random token ids.
@@ -43,10 +43,11 @@ class Placement:
 @dataclass
 class Canary:
     id: str
+    """Unique; a user file's id is kept as given (a string or an integer)."""
     kind: str
-    """'random' or 'document'."""
+    """'random', 'document', or a user file's kind."""
     format: str
-    """'secret', 'tokens' or 'document'."""
+    """'secret', 'tokens', 'document', or 'text' (a user file's)."""
     text: str
     token_ids: list[int]
     twin_text: str
@@ -58,6 +59,10 @@ class Canary:
     source: str | None = None
     """Document the chunk came from (document canaries)."""
     twin_source: str | None = None
+    prefix_len: int | None = None
+    """Leading tokens that are the prompt when a user file splits the canary into prefix and suffix; None: the
+    evaluation's suffix is its last eval.suffix_len tokens."""
+    twin_prefix_len: int | None = None
     placements: list[Placement] = field(default_factory=list)
 
     def to_dict(self) -> dict:
@@ -73,6 +78,17 @@ class Canary:
 def render_secret(name: str, secret: str) -> str:
     """Text of a secret canary; exposure substitutes alternative secrets here."""
     return SECRET_TEMPLATE.format(name=name, secret=secret)
+
+
+def secret_prefix_len(c: Canary, tok) -> int:
+    """Tokens of a secret canary before its secret: where its rendering and one with every digit changed part
+    (the name and template are known context; the digits are what exposure and extraction ask for)."""
+    changed = "".join(str((int(ch) + 5) % 10) if ch.isdigit() else ch for ch in c.candidate_space["slots"]["secret"])
+    other = encode_text(tok, render_secret(c.candidate_space["slots"]["name"], changed))
+    n = 0
+    while n < min(len(other), len(c.token_ids)) and other[n] == c.token_ids[n]:
+        n += 1
+    return n
 
 
 def make_random_canaries(cfg: CanaryConfig, tok, rng: np.random.Generator) -> list[Canary]:
@@ -104,7 +120,7 @@ def _secret_drawer(cfg: CanaryConfig, tok, rng: np.random.Generator):
         digits = rng.integers(0, 10, size=4 * cfg.secret_groups)
         secret = "-".join("".join(map(str, digits[g * 4:g * 4 + 4])) for g in range(cfg.secret_groups))
         text = render_secret(name, secret)
-        return text, _encode(tok, text), {"name": name, "secret": secret}
+        return text, encode_text(tok, text), {"name": name, "secret": secret}
     return draw
 
 
@@ -141,7 +157,9 @@ def _token_space(cfg: CanaryConfig, tok) -> dict:
             "note": "every position is a slot drawn uniformly from the alphabet"}
 
 
-def _encode(tok, text: str) -> list[int]:
+def encode_text(tok, text: str) -> list[int]:
+    """A canary's token ids: no special tokens added, none read from the text (a string holding "</s>" is those
+    characters)."""
     return tok(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
 
 
@@ -188,7 +206,7 @@ def _unique_chunk(text: str, tok, length: int, blob: str, rng: np.random.Generat
     starts = [0] + [m.end() for m in re.finditer("\n", text) if m.end() < len(text)]
     for s in rng.choice(np.asarray(starts), size=min(tries, len(starts)), replace=False):
         # ~4 characters per token for code and prose; take generously and cut in tokens.
-        ids = _encode(tok, text[int(s):int(s) + 16 * length])[:length]
+        ids = encode_text(tok, text[int(s):int(s) + 16 * length])[:length]
         if len(ids) < length:
             continue
         chunk = tok.decode(ids)

@@ -93,6 +93,10 @@ class CanaryConfig:
     every seed); the content seed s draws its document canaries and twins from pool s % pools. Seeds in
     different pools never share a canary or twin document: settings chosen on one seed stay independent of
     the seeds they are reported on. Every pool's documents stay out of the training text, for every seed."""
+    file: str | None = None
+    """A JSONL file of your own canaries (PII strings, passages, test items; format: memtrain/data/canary_file.py),
+    inserted beside the generated kinds with `copies` (unless a line gives its own) and `placement`; the
+    manifest records each one's id, kind and this file. Its `twin` texts are never trained: the controls."""
     unique_against: str | None = None
     """A corpus (any data.corpus value) that must hold no canary or twin text, e.g. the base model's
     pretraining documents: a document chunk found there is not used (a chunk must also be unique in the

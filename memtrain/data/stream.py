@@ -36,6 +36,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from memtrain.data import canary_file
 from memtrain.data.canaries import Canary, Placement, make_document_canaries, make_random_canaries
 from memtrain.data.config import CanaryConfig, DataConfig
 from memtrain.data.corpus import load_corpus
@@ -207,6 +208,8 @@ def build_stream(data_cfg: DataConfig, canary_cfg: CanaryConfig | None = None, s
     spec = {"version": FORMAT_VERSION, "corpus": corpus.fingerprint, "tokenizer": tokenizer_fingerprint(tok),
             "seq_len": data_cfg.seq_len, "val_fraction": data_cfg.val_fraction,
             "max_text_tokens": data_cfg.max_text_tokens, "canaries": asdict(canary_cfg), "seed": seed}
+    if canary_cfg.file is not None:  # the path alone would let an edited file come back from the cache
+        spec["canaries_file_sha256"] = canary_file.file_digest(canary_cfg.file)
     if batch_size > 1:  # batch 1 keeps the keys streams had before rows were rounded
         spec["rows_multiple"] = batch_size
     key = _hash(spec)
@@ -257,6 +260,8 @@ def _write_stream(folder: Path, data_cfg: DataConfig, canary_cfg: CanaryConfig, 
                                                     np.random.default_rng([content_seed, 2]), _avoid(canary_cfg))
         canaries += doc_canaries
         held.update(used)
+    if canary_cfg.file is not None:
+        canaries += canary_file.to_canaries(canary_file.read(canary_cfg.file), tok, canary_cfg.file, canary_cfg.copies)
     for c in canaries:
         if len(c.token_ids) > S - 1 or len(c.twin_token_ids) > S - 1:
             L = max(len(c.token_ids), len(c.twin_token_ids))

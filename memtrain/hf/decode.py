@@ -17,7 +17,8 @@ row count is rounded up to a multiple of the row groups with dummy rows (copies 
 tokens are dropped).
 
 `parallel_sequence_logprobs` is `eval.sequence_logprobs` on the grid (vocabulary-parallel softmax statistics),
-and `GridModel` hands both to eval's metrics, so extraction, exposure and MIA run unchanged on a sharded model.
+`parallel_continuation_logprobs` is `eval.continuation_logprobs` (one context's KV cache serving every batch),
+and `GridModel` hands them to eval's metrics, so extraction, exposure and MIA run unchanged on a sharded model.
 
 Vocabulary-parallel argmax (`parallel.vocab_parallel_argmax`): the LM head's logits stay split over its
 vocabulary axis (Y); one all-gather of each member's (max, first index) over Y picks the winner, ties going
@@ -28,6 +29,7 @@ heads (easy).
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 from contextlib import contextmanager
 
@@ -194,6 +196,44 @@ def parallel_sequence_logprobs(plm, token_lists: Sequence[Sequence[int]], batch_
     return SeqLogprobs(lps, means, stds)
 
 
+@torch.inference_mode()
+def parallel_continuation_logprobs(plm, context: Sequence[int], continuations: Sequence[Sequence[int]],
+                                   batch_size: int = 32, pad_id: int = 0) -> tuple[np.ndarray, list[np.ndarray]]:
+    """`eval.continuation_logprobs` on the grid: the same arrays, in input order, on every rank.
+
+    Collective over the whole grid; every rank passes the same context and continuations. Every rank runs the
+    context (but its last token) as its one row, so each holds the cache of its own heads (sharded) or of the
+    whole model (easy), and copies it to the rows of each batch (`batch_size` per rank, as
+    `parallel_sequence_logprobs`); the rows are [last context token, *continuation], placed after the cache.
+    """
+    if len(context) == 0:
+        raise ValueError("continuations need a non-empty context (their first token needs one)")
+    device, last = next(plm.parameters()).device, len(context) - 1
+
+    def log_probs(ids, labels, past, start):  # -> (log p(labels) [b, width], the cache after ids)
+        pos = torch.arange(start, start + ids.shape[1], device=device).expand(ids.shape[0], -1)
+        out = plm.model.base_model(input_ids=ids, position_ids=pos, past_key_values=past, use_cache=True)
+        return plm.head.log_probs(out[0], labels)[0], out.past_key_values
+
+    past, context_lp = None, np.zeros(0)
+    rows = [i for i, c in enumerate(continuations) if len(c)]
+    out = [np.zeros(0) for _ in continuations]
+    with _eval_mode(plm):
+        if last:
+            ids = torch.as_tensor([list(context)], dtype=torch.long, device=device)
+            lp, past = log_probs(ids[:, :-1], ids[:, 1:], None, 0)
+            context_lp = lp[0].double().cpu().numpy()
+        seqs = [[context[-1], *continuations[i]] for i in rows]
+        for idx, ids, labels, gather in _teacher_batches(plm, seqs, batch_size, pad_id):
+            cache = copy.deepcopy(past)  # a fresh copy per batch: the forward appends to it
+            if cache is not None:
+                cache.batch_repeat_interleave(ids.shape[0])
+            lp = gather(log_probs(ids, labels, cache, last)[0].double()[:, None])  # [rows, 1, width]
+            for r, i in enumerate(idx):
+                out[rows[i]] = lp[r, 0, :len(seqs[i]) - 1]
+    return context_lp, out
+
+
 class GridModel(Evaluable):
     """A ParallelLM as `eval` sees a model: every metric of `eval` (extraction, exposure, MIA, validation loss)
     runs on the grid through it, each rank decoding and scoring its share of the rows.
@@ -210,6 +250,9 @@ class GridModel(Evaluable):
     def sequence_logprobs(self, token_lists, batch_size=32, with_stats=False, pad_id=0):
         return parallel_sequence_logprobs(self.plm, token_lists, batch_size, with_stats, pad_id)
 
+    def continuation_logprobs(self, context, continuations, batch_size=32, pad_id=0):
+        return parallel_continuation_logprobs(self.plm, context, continuations, batch_size, pad_id)
 
-__all__ = ["GridModel", "ParallelStepper", "ShardedLogits", "parallel_greedy_decode", "parallel_sequence_logprobs",
-           "teacher_forced"]
+
+__all__ = ["GridModel", "ParallelStepper", "ShardedLogits", "parallel_continuation_logprobs", "parallel_greedy_decode",
+           "parallel_sequence_logprobs", "teacher_forced"]

@@ -14,6 +14,7 @@ collective against what the engine really issues: exit 0 when every exact figure
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import time
 from pathlib import Path
@@ -23,7 +24,7 @@ from memtrain.commandline import ArgumentParser, at_most, positive_float, positi
 from memtrain.config import PARALLEL_MODES, PRECISIONS
 from memtrain.files import write_atomic
 from memtrain.plan.network import DEFAULT_MACHINE, load_network, measure
-from memtrain.plan.search import PlanConfig, plan, table, to_json
+from memtrain.plan.search import PlanConfig, fewest_gpus, plan, table, to_json
 from parallel import GRAD_SYNCS, resolve_degrees
 
 MESSAGE_MB = 4096.0
@@ -43,6 +44,12 @@ def main(argv: list[str] | None = None) -> int | None:
     ap.add_argument("--mode", default="auto", choices=PARALLEL_MODES)
     ap.add_argument("--precision", default="bf16", choices=[p for p in PRECISIONS if p != "auto"])
     ap.add_argument("--activation-checkpointing", action="store_true", help="recompute each block in backward")
+    ap.add_argument("--offload", action="store_true",
+                    help="AdamW state and fp32 master weights in host memory (train.optimizer_offload); also prints "
+                         "the fewest GPUs that hold the model with and without it")
+    ap.add_argument("--host-gbps", type=host_gbps, default=25.0,
+                    help="--offload: GB/s between a GPU and host memory per direction (default 25, PCIe 4.0 x16; "
+                         "0: the ranks are CPUs, nothing crosses)")
     ap.add_argument("--machine",
                     help=f"interconnect preset from memtrain/plan/machines.toml (default {DEFAULT_MACHINE})")
     ap.add_argument("--bandwidth", help="bandwidth table: JSON from --measure, or TOML with machines.toml's keys")
@@ -75,24 +82,48 @@ def main(argv: list[str] | None = None) -> int | None:
     start = time.perf_counter()
     net = load_network(args.machine, args.bandwidth, args.gpus_per_node, args.gpu_memory_gb)
     cfg = PlanConfig(args.model, args.gpus, args.batch, args.seq, args.micro_batch, args.mode, args.precision,
-                     activation_checkpointing=args.activation_checkpointing)
+                     activation_checkpointing=args.activation_checkpointing, offload=args.offload,
+                     host_gbps=args.host_gbps)
     if args.validate:
+        if args.offload:
+            raise ValueError("--offload applies to planning only (the dry run checks the on-device optimizer): "
+                             "drop --offload or --validate")
         return validate(args, cfg, net, start)
     for flag in ("grid", "grad_sync"):
         if getattr(args, flag) is not None:
             raise ValueError(f"--{flag.replace('_', '-')} applies to --validate only: add --validate")
     plans, summary = plan(cfg, net)
+    extras = (", activation checkpointing" if cfg.activation_checkpointing else "") + (
+        f", optimizer offload ({cfg.host_gbps:g} GB/s to the host)" if cfg.offload else "")
     print(f"{cfg.model} on {cfg.gpus} GPUs, {summary['mode']} mode, batch {cfg.batch} x {cfg.seq} tokens, "
-          f"{cfg.precision}{', activation checkpointing' if cfg.activation_checkpointing else ''}; {net.name}: "
+          f"{cfg.precision}{extras}; {net.name}: "
           f"{net.gpus_per_node} GPUs/node, {net.gpu_memory_gb:g} GB, {net.intra_node_gbps:.3g} GB/s in a node, "
           f"{net.inter_node_gbps:.3g} GB/s across, {compute_text(net, cfg.precision)}")
     print(f"{summary['grids']} grids, {summary['valid']} run and fit; ranked by predicted step time: compute + the "
           f"communication overlap cannot hide (* = groups span nodes; micro = sequences x micro-batches):")
     print(table(plans, args.top))
+    if cfg.offload:
+        print(fewest_text(cfg, net, args.batch))
     if args.json:
         write_atomic(args.json, json.dumps(to_json(plans, summary, cfg, net), indent=1) + "\n")
         print(f"wrote {args.json}")
     print(f"planned in {time.perf_counter() - start:.1f} s")
+
+
+def host_gbps(text: str) -> float:
+    """--host-gbps: a finite number >= 0 (0: CPU ranks, no device<->host link)."""
+    if text.strip() == "0":
+        return 0.0
+    return positive_float(text, 1e6)
+
+
+def fewest_text(cfg: PlanConfig, net, batch: int | None) -> str:
+    """The fewest GPUs (powers of two) that hold the model without and with optimizer offload."""
+    n = {o: fewest_gpus(dataclasses.replace(cfg, offload=o), net, batch) for o in (False, True)}
+    say = {o: f"{n[o]} GPUs" if n[o] else "more than 65,536 GPUs" for o in n}
+    return (f"fewest GPUs that hold {cfg.model} (powers of two, micro-batch {cfg.micro_batch or 1}, "
+            f"{f'batch {batch}' if batch else 'one sequence per GPU'}, {net.gpu_memory_gb:g} GB each): "
+            f"{say[False]} without optimizer offload, {say[True]} with")
 
 
 def message_sizes(text: str) -> list[float]:

@@ -8,7 +8,9 @@ sums. Every collective of that goes through parallel.comm and is recorded in par
 without running anything, one function per layer kind, each transcribing its layer's code path
 (parallel/linear.py, embedding.py, norm.py, grads.py), from the block list the architecture object gives
 (memtrain/hf/architectures.py) and the engine's own Grid; tests/memtrain/plan/test_cost.py compares it with the
-ledger record for record.
+ledger record for record. With optimizer offload (train.optimizer_offload) the AdamW state leaves the device:
+`state_bytes(offload=True)`, `host_bytes` and `offload_traffic` give what stays, what the host holds and what
+crosses between them, tested against OffloadAdamW's own tensors (tests/memtrain/plan/test_offload.py).
 
 Dtypes, as the code casts them (pb = parameter bytes, cb = matmul bytes: 2 under bf16 autocast):
 - weight all-gathers over Z of Linear and LM head: the matmul dtype when narrower, min(pb, cb) (the shard is
@@ -242,12 +244,30 @@ def gradient_records(shape: Shape, grid: Grid, mode: str, param_bytes: int = 4) 
 # Memory per rank.
 
 
-def state_bytes(shape: Shape, grid: Grid, mode: str, param_bytes: int = 4) -> dict[str, int]:
-    """Parameters, gradients (same dtype) and torch AdamW state: exp_avg and exp_avg_sq in the parameter
-    dtype plus one fp32 `step` scalar per parameter tensor."""
+def state_bytes(shape: Shape, grid: Grid, mode: str, param_bytes: int = 4, offload: bool = False) -> dict[str, int]:
+    """Device bytes of parameters, gradients (same dtype) and torch AdamW state: exp_avg and exp_avg_sq in the
+    parameter dtype plus one fp32 `step` scalar per parameter tensor. With optimizer offload
+    (memtrain/training/offload.py) the optimizer holds nothing on the device (see `host_bytes`)."""
     params = parameters(shape, grid, mode)
     n = sum(v for v, _ in params) * param_bytes
-    return {"params": n, "grads": n, "optimizer": 2 * n + FP32 * len(params)}
+    return {"params": n, "grads": n, "optimizer": 0 if offload else 2 * n + FP32 * len(params)}
+
+
+def host_bytes(shape: Shape, grid: Grid, mode: str, param_bytes: int = 4) -> dict[str, int]:
+    """Host bytes of an offloaded optimizer (OffloadAdamW): fp32 master weights, fp32 exp_avg and exp_avg_sq, a
+    `step` scalar per parameter tensor, and a staging buffer per gradient in the device's parameter dtype."""
+    params = parameters(shape, grid, mode)
+    n = sum(v for v, _ in params)
+    return {"masters": FP32 * n, "moments": 2 * FP32 * n, "steps": FP32 * len(params), "grads": n * param_bytes}
+
+
+def offload_traffic(shape: Shape, grid: Grid, mode: str, param_bytes: int = 4, host_is_device: bool = False) -> int:
+    """Bytes an offloaded optimizer moves between device and host per step: every gradient down, every updated
+    weight up, in the device's parameter dtype (the cast to bf16 happens on the host). Zero where the devices
+    are CPUs: host memory is device memory."""
+    if host_is_device:
+        return 0
+    return 2 * param_bytes * sum(v for v, _ in parameters(shape, grid, mode))
 
 
 def activation_bytes(shape: Shape, grid: Grid, mode: str, tokens: int, *, precision: str = "fp32",

@@ -6,6 +6,8 @@ do not fit the device; then it predicts the time of one optimizer step and ranks
 time (compute.py: the FLOPs of its shards at the machine's rate for their shapes, which fall as shards get thin)
 plus the communication overlap cannot hide, from cost.py's exact records, each at the bandwidth of where its
 group sits (network.py). MFU is the unsharded model's FLOPs over the predicted step time and the GPUs' peak.
+With `offload` (train.optimizer_offload) the AdamW state leaves the device for the host, the step pays the
+device<->host copies, and `fewest_gpus` says how many GPUs the model needs with and without it.
 """
 
 from __future__ import annotations
@@ -42,6 +44,12 @@ class PlanConfig:
     param_bytes: int = 4
     """Bytes per parameter (the trainer keeps fp32 parameters, gradients and AdamW state)."""
     activation_checkpointing: bool = False
+    offload: bool = False
+    """Optimizer offload (train.optimizer_offload): AdamW moments and fp32 master weights in host memory; under
+    bf16 the device keeps bf16 weights and gradients (2 bytes each)."""
+    host_gbps: float = 25.0
+    """Device<->host bandwidth per GPU and direction with offload, GB/s (PCIe 4.0 x16: 32 peak, ~25 reached);
+    0: the ranks are CPUs, whose host memory is their device memory (no traffic)."""
 
 
 @dataclass
@@ -68,6 +76,10 @@ class Plan:
     """Bytes per rank: params, grads, optimizer, activations, total."""
     axes: dict
     """Per axes label: payload bytes, moved bytes, seconds, whether its groups stay inside a node."""
+    host_memory: int = 0
+    """Bytes per rank in host memory (offload: master weights, AdamW moments, step scalars, gradient staging)."""
+    host_traffic: int = 0
+    """Bytes per rank per step between device and host (offload: gradients down, weights up)."""
 
     @property
     def grid(self) -> tuple[int, int, int, int]:
@@ -112,9 +124,17 @@ def factorizations(n: int):
                 yield data, x, y, n // data // x // y
 
 
+def device_param_bytes(cfg: PlanConfig) -> int:
+    """Bytes per parameter on the device: 2 with offload under bf16 (the fp32 masters live on the host)."""
+    return 2 if cfg.offload and cfg.precision == "bf16" else cfg.param_bytes
+
+
 def evaluate(shape, grid: Grid, mode: str, cfg: PlanConfig, net: Network, micro: int) -> Plan:
-    """Predicted time, bytes and memory of one grid at a given micro-batch."""
-    kw = dict(precision=cfg.precision, param_bytes=cfg.param_bytes)
+    """Predicted time, bytes and memory of one grid at a given micro-batch. With offload the device<->host
+    copies count in full at host_gbps (the gradients' copies overlap the all-reduce, the weights' the next
+    bucket's math; the host's AdamW time, like every non-matmul time, is not modelled)."""
+    pb = device_param_bytes(cfg)
+    kw = dict(precision=cfg.precision, param_bytes=pb)
     records = cost.step_records(shape, grid, mode, cfg.batch, cfg.seq, micro,
                                 checkpointing=cfg.activation_checkpointing, **kw)
     axes: dict[str, dict] = {}
@@ -126,20 +146,26 @@ def evaluate(shape, grid: Grid, mode: str, cfg: PlanConfig, net: Network, micro:
         a["payload"] += n * r.nbytes
         a["moved"] += n * r.moved_bytes
         a["seconds"] += n * seconds[r]
-    memory = cost.state_bytes(shape, grid, mode, cfg.param_bytes)
+    memory = cost.state_bytes(shape, grid, mode, pb, cfg.offload)
     memory["activations"] = cost.activation_bytes(shape, grid, mode, micro * cfg.seq,
                                                   checkpointing=cfg.activation_checkpointing, **kw)
     memory["total"] = sum(memory.values())
     local = cfg.batch // cost.rows_split(grid, mode)
-    gradients = cost.gradient_records(shape, grid, mode, cfg.param_bytes)
+    gradients = cost.gradient_records(shape, grid, mode, pb)
     comm = compute.comm_seconds(records, gradients, seconds.__getitem__)
     work = compute.step_compute(shape, grid, mode, cfg.batch, cfg.seq, micro, net, cfg.precision,
                                 cfg.activation_checkpointing)
+    host, traffic = 0, 0
     step = compute.step_seconds(work.seconds, work.last_backward_seconds, comm)
+    if cfg.offload:
+        host = sum(cost.host_bytes(shape, grid, mode, pb).values())
+        traffic = cost.offload_traffic(shape, grid, mode, pb, host_is_device=cfg.host_gbps == 0)
+        step += traffic / (cfg.host_gbps * GB) if traffic else 0.0
     return Plan(grid.data, grid.x, grid.y, grid.z, micro, local // micro, step_seconds=step,
                 compute_seconds=work.seconds, comm_seconds=sum(comm.values()), flops=work.flops,
                 mfu=work.model_flops / (step * grid.world_size * net.peak_flops(cfg.precision)),
-                moved_bytes=sum(a["moved"] for a in axes.values()), memory=memory, axes=axes)
+                moved_bytes=sum(a["moved"] for a in axes.values()), memory=memory, axes=axes,
+                host_memory=host, host_traffic=traffic)
 
 
 def plan(cfg: PlanConfig, net: Network) -> tuple[list[Plan], dict]:
@@ -156,7 +182,10 @@ def plan(cfg: PlanConfig, net: Network) -> tuple[list[Plan], dict]:
     config = load_config(cfg.model)
     mode = resolve_mode(config, cfg.mode)
     shape = cost.shape_of(config)
-    limit = net.gpu_memory_gb * GB
+    limit, pb = net.gpu_memory_gb * GB, device_param_bytes(cfg)
+    if cfg.host_gbps < 0 or not math.isfinite(cfg.host_gbps):
+        raise ValueError(f"--host-gbps {cfg.host_gbps} is invalid: give the GB/s between a GPU and host memory "
+                         "(0: the ranks are CPUs)")
     plans, rejected, least = [], Counter(), None
     for d in factorizations(cfg.gpus):
         grid = Grid(*d)
@@ -166,10 +195,10 @@ def plan(cfg: PlanConfig, net: Network) -> tuple[list[Plan], dict]:
             continue
         local = cfg.batch // cost.rows_split(grid, mode)
         micros = [cfg.micro_batch] if cfg.micro_batch else divisors(local)[::-1]
-        state = sum(cost.state_bytes(shape, grid, mode, cfg.param_bytes).values())
+        state = sum(cost.state_bytes(shape, grid, mode, pb, cfg.offload).values())
         for micro in micros:  # the largest micro-batch that fits: fewest weight gathers per step
             total = state + cost.activation_bytes(
-                shape, grid, mode, micro * cfg.seq, precision=cfg.precision, param_bytes=cfg.param_bytes,
+                shape, grid, mode, micro * cfg.seq, precision=cfg.precision, param_bytes=pb,
                 checkpointing=cfg.activation_checkpointing)
             if total <= limit:
                 plans.append(evaluate(shape, grid, mode, cfg, net, micro))
@@ -183,6 +212,27 @@ def plan(cfg: PlanConfig, net: Network) -> tuple[list[Plan], dict]:
     if not plans:
         raise ValueError(_no_plan(cfg, mode, rejected, least))
     return plans, summary
+
+
+def fewest_gpus(cfg: PlanConfig, net: Network, batch: int | None, most: int = 2**16) -> int | None:
+    """The fewest GPUs, a power of two up to `most`, on which some grid runs cfg.model and fits the device
+    memory at micro-batch cfg.micro_batch (None: 1), with `batch` sequences (None: one per GPU); None if none."""
+    config = load_config(cfg.model)
+    mode, shape = resolve_mode(config, cfg.mode), cost.shape_of(config)
+    limit, pb, micro = net.gpu_memory_gb * GB, device_param_bytes(cfg), cfg.micro_batch or 1
+    n = 1
+    while n <= most:
+        for d in factorizations(n):
+            grid = Grid(*d)
+            if cost.check(shape, grid, mode, batch or n, micro):
+                continue
+            total = sum(cost.state_bytes(shape, grid, mode, pb, cfg.offload).values()) + cost.activation_bytes(
+                shape, grid, mode, micro * cfg.seq, precision=cfg.precision, param_bytes=pb,
+                checkpointing=cfg.activation_checkpointing)
+            if total <= limit:
+                return n
+        n *= 2
+    return None
 
 
 def _no_plan(cfg: PlanConfig, mode: str, rejected: Counter, least) -> str:
@@ -199,9 +249,11 @@ def _no_plan(cfg: PlanConfig, mode: str, rejected: Counter, least) -> str:
 
 
 def table(plans: list[Plan], top: int) -> str:
+    """The ranked grids; with offload, a column of each rank's host memory beside its device memory."""
+    host = any(p.host_memory for p in plans)
     head = (f"{'rank':>4} {'data':>5} {'x':>4} {'y':>4} {'z':>4} {'micro':>9} {'step s':>9} {'MFU':>6} "
             f"{'compute s':>9} {'comm s':>9} {'GB sent':>9} {'state GB':>9} {'act GB':>8} {'total GB':>9}  "
-            "slowest axes")
+            + (f"{'host GB':>8}  " if host else "") + "slowest axes")
     lines = [head]
     for i, p in enumerate(plans[:top], 1):
         worst = sorted(p.axes.items(), key=lambda kv: -kv[1]["seconds"])[:2]
@@ -211,7 +263,8 @@ def table(plans: list[Plan], top: int) -> str:
         lines.append(f"{i:>4} {p.data:>5} {p.x:>4} {p.y:>4} {p.z:>4} {f'{p.micro_batch}x{p.micro_batches}':>9} "
                      f"{p.step_seconds:>9.4g} {100 * p.mfu:>5.1f}% {p.compute_seconds:>9.4g} {p.comm_seconds:>9.4g} "
                      f"{p.moved_bytes / GB:>9.4g} {state / GB:>9.4g} "
-                     f"{m['activations'] / GB:>8.4g} {m['total'] / GB:>9.4g}  {slow}")
+                     f"{m['activations'] / GB:>8.4g} {m['total'] / GB:>9.4g}  "
+                     + (f"{p.host_memory / GB:>8.4g}  " if host else "") + slow)
     return "\n".join(lines)
 
 

@@ -137,8 +137,15 @@ def _save_file(tensors: dict, path: Path, shapes: dict) -> None:
     respect_umask(path)
 
 
+def _masters(opt) -> dict:
+    """parameter -> fp32 master weight of an optimizer that keeps them apart from the parameters (offload.py's,
+    whose device parameters may be bf16): those are the weights a checkpoint holds. {} for torch's AdamW."""
+    return getattr(opt, "masters", None) or {}
+
+
 def _write_rank_files(tmp: Path, plm, opt, rank: int) -> None:
-    pieces, shapes = plm.shard_pieces()
+    with _params_hold(_masters(opt)):
+        pieces, shapes = plm.shard_pieces()
     if pieces:
         _save_file({k: v.contiguous().cpu() for k, v in pieces.items()}, tmp / f"model-{rank:05d}.safetensors",
                    shapes)
@@ -250,6 +257,19 @@ def latest(run_dir: Path) -> Path | None:
     return complete[-1] if complete else None
 
 
+def keep_final_weights(run_dir: Path) -> Path | None:
+    """Trim a finished run to its final weights: the checkpoint `latest` names keeps its model files and state.json,
+    its optimizer files and every other checkpoint are deleted (export and evaluation read nothing else; a resume
+    from it is refused by `missing_optimizer`). Returns that checkpoint, or None when the run has none."""
+    ckpt = latest(Path(run_dir))
+    if ckpt is None:
+        return None
+    prune(ckpt.parent, 1, int(ckpt.name[5:]))
+    for f in _files(ckpt, "optimizer"):
+        f.unlink()
+    return ckpt
+
+
 def missing_optimizer(path: Path) -> list[str]:
     """The optimizer files a checkpoint lacks: every rank that saved model pieces saved its AdamW moments beside
     them (model-<r> and optimizer-<r>), so without one a resume would continue with fresh moments."""
@@ -279,19 +299,23 @@ def read_state(path: Path) -> dict:
 
 
 def load(path: Path, plm, opt=None) -> dict:
-    """Collective-free: fill this rank's shards (and AdamW moments when `opt` is given) from a checkpoint saved
-    on any grid; returns its state."""
+    """Collective-free: fill this rank's shards (and AdamW moments when `opt` is given; an offloading optimizer's
+    fp32 masters too) from a checkpoint saved on any grid; returns its state."""
     path = Path(path)
+    masters = _masters(opt)
     with model_source(path) as src:
         state = read_state(path)
         plm.load_hf_state_dict(src)
+        if masters:  # the fp32 values themselves, not the parameters' bf16 rounding of them
+            with _params_hold(masters):
+                plm.load_hf_state_dict(src)
     if opt is not None:
         params = parallel.unique_parameters(plm)
         for moment in MOMENTS:
             with CheckpointSource(_files(path, "optimizer"), prefix=moment + "/") as src:
                 if not src.keys():
                     continue
-                held = {p: torch.zeros_like(p.data) for p in params if p.requires_grad}
+                held = {p: torch.zeros_like(masters.get(p, p.data)) for p in params if p.requires_grad}
                 with _params_hold(held):
                     plm.load_hf_state_dict(src, strict=False)
             for p, t in held.items():

@@ -42,19 +42,22 @@ def pass_scores(model, stream: TrainStream, cfg: RunConfig) -> dict:
     inserted, kind, copies, exact, suffix_loss, and the suffix loss at dropped and kept positions). val_loss:
     token-weighted, over up to eval.val_tokens of whole held-out documents (val_tokens: how many).
     """
-    n_suffix = cfg.eval.suffix_len
-    usable = [c for c in stream.canaries if len(c.token_ids) > n_suffix]
-    seqs = [[stream.eos_id, *c.token_ids] for c in usable] + [[stream.eos_id, *c.twin_token_ids] for c in usable]
+    def suffix_of(ids, prefix_len):  # a user file's own split, else the last eval.suffix_len tokens
+        return len(ids) - prefix_len if prefix_len is not None else cfg.eval.suffix_len
+
+    usable = [c for c in stream.canaries if len(c.token_ids) > suffix_of(c.token_ids, c.prefix_len)]
+    scored = [(c, True) for c in usable] + [(c, False) for c in usable if c.twin_token_ids]
+    seqs = [[stream.eos_id, *(c.token_ids if member else c.twin_token_ids)] for c, member in scored]
     val = stream.val_sequences(cfg.eval.val_docs, cfg.eval.val_tokens)
     scores = teacher_forced(model, seqs + val, batch_size=cfg.eval.batch_size)
     cols: dict[str, list] = {k: [] for k in ("id", "inserted", "kind", "copies", "exact", "suffix_loss",
                                              "suffix_loss_dropped", "suffix_loss_kept")}
     cells: dict = {}
-    for i, (seq, (loss, right)) in enumerate(zip(seqs, scores)):
-        c, member = usable[i % len(usable)], i < len(usable)
+    for (c, member), seq, (loss, right) in zip(scored, seqs, scores):
+        n_suffix = suffix_of(seq[1:], c.prefix_len if member else c.twin_prefix_len)
         loss, right = loss[-n_suffix:], right[-n_suffix:]
         dropped = _suffix_drops(seq, n_suffix, cfg).numpy()
-        for key, value in (("id", c.id if member else c.id + "-twin"), ("inserted", member), ("kind", c.kind),
+        for key, value in (("id", c.id if member else f"{c.id}-twin"), ("inserted", member), ("kind", c.kind),
                            ("copies", c.copies), ("exact", bool(right.all())), ("suffix_loss", _mean(loss)),
                            ("suffix_loss_dropped", _mean(loss, dropped)), ("suffix_loss_kept", _mean(loss, ~dropped))):
             cols[key].append(value)

@@ -16,6 +16,7 @@ import torch
 import parallel
 from memtrain.config import PRECISIONS, RunConfig
 from memtrain.losses import LossSums, loss_sums
+from memtrain.training.offload import OffloadAdamW
 from memtrain.training.perf import bf16_faster
 
 
@@ -46,16 +47,19 @@ def peak_lr(cfg: RunConfig, hidden_size: int) -> float:
     return t.lr * t.lr_scale * width
 
 
-def build_optimizer(plm, cfg: RunConfig) -> torch.optim.AdamW:
+def build_optimizer(plm, cfg: RunConfig, amp: torch.dtype | None = None) -> torch.optim.Optimizer:
     """AdamW over this rank's shards at `peak_lr`: matrices (every engine weight is a matrix shard) decay;
-    norms and biases do not."""
+    norms and biases do not. With train.optimizer_offload its state and fp32 master weights live in host memory
+    (offload.py), and under bf16 autocast (`amp`) the device keeps the parameters in bf16."""
     params = [p for p in parallel.unique_parameters(plm) if p.requires_grad]
     decay = [p for p in params if parallel.spec_of(p).shard_axes == ("x", "y", "z") or p.dim() >= 2]
     rest = [p for p in params if all(p is not q for q in decay)]
     t = cfg.train
-    return torch.optim.AdamW([{"params": decay, "weight_decay": t.weight_decay},
-                              {"params": rest, "weight_decay": 0.0}],
-                             lr=peak_lr(cfg, plm.config.hidden_size), betas=(t.beta1, t.beta2), eps=1e-8)
+    groups = [{"params": decay, "weight_decay": t.weight_decay}, {"params": rest, "weight_decay": 0.0}]
+    lr, betas = peak_lr(cfg, plm.config.hidden_size), (t.beta1, t.beta2)
+    if t.optimizer_offload:
+        return OffloadAdamW(groups, lr=lr, betas=betas, eps=1e-8, param_dtype=amp)
+    return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=1e-8)
 
 
 def build_schedule(opt, cfg: RunConfig, total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
@@ -84,6 +88,10 @@ def train_step(plm, grid: parallel.Grid, opt, input_ids: torch.Tensor, labels: t
     the last micro-batch's backward (parallel.grad_sync), 'blocking' runs them after it (sync_gradients). Either
     way the earlier micro-batches only accumulate (parallel.no_sync).
 
+    An OffloadAdamW (train.optimizer_offload) takes each bucket's sums to the host as its all-reduce completes
+    (and updates its parameters then when nothing is clipped), and clips on the host: the device's .grad keeps
+    the unclipped sums.
+
     Returns the step's global LossSums (float64 scalars, all-reduced over the grid) and the global gradient norm
     before clipping. The planner's byte model is tested against
     the collectives of exactly this function.
@@ -99,6 +107,7 @@ def train_step(plm, grid: parallel.Grid, opt, input_ids: torch.Tensor, labels: t
     opt.zero_grad(set_to_none=True)
     totals = torch.zeros(len(LossSums._fields), dtype=torch.float64)
     sync = parallel.grad_sync(plm, grid) if grad_sync == "overlap" else None
+    offload = isinstance(opt, OffloadAdamW)
     with sync or nullcontext():  # on exit every gradient is summed over its reduce axes
         for i in range(0, ids.shape[0], micro_batch):
             sl = slice(i, i + micro_batch)
@@ -112,9 +121,14 @@ def train_step(plm, grid: parallel.Grid, opt, input_ids: torch.Tensor, labels: t
                 s = loss_sums(token_losses.float(), keep[sl].to(device), labels[sl].to(device))
                 (s.kept_sum / n_kept).backward()
             totals += torch.stack([x.detach().double().cpu() for x in s])
+        if sync is not None and offload:
+            opt.stream(sync, update=grad_clip <= 0)
     if sync is None:
         parallel.sync_gradients(plm, grid)
-    norm = parallel.clip_grad_norm_(plm, grad_clip, grid) if grad_clip > 0 else parallel.grad_norm(plm, grid)
-    opt.step()
+    if offload:
+        norm = opt.finish(plm, grid, grad_clip)
+    else:
+        norm = parallel.clip_grad_norm_(plm, grad_clip, grid) if grad_clip > 0 else parallel.grad_norm(plm, grid)
+        opt.step()
     parallel.comm.all_reduce(totals, grid, plm.row_axes)  # one message for the four sums
     return LossSums(*totals), norm

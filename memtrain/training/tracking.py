@@ -8,7 +8,9 @@
 
 One W&B run per training run: project = cfg.wandb.project, group = cfg.wandb.group (the sweep name),
 job_type "train", name = cfg.wandb.name or the run directory's name, config = the full resolved config,
-dir = the run directory (offline files land in RUN_DIR/wandb/, upload later with `wandb sync`).
+dir = the run directory (offline files land in RUN_DIR/wandb/offline-run-*, upload later with `wandb sync`;
+`sync_all` makes one command for many runs). The per-pass probe's records (train/pass/*) plot against their
+pass number (PASS_AXIS), not the optimizer step.
 
 Mode (cfg.wandb.mode):
 - 'online' / 'offline' / 'disabled' as W&B defines them;
@@ -45,6 +47,11 @@ _TRUE = ("1", "true", "yes", "on")
 _SECRET_KEYS = ("api_key", "apikey", "password", "passwd", "secret_key", "access_token", "auth_token",
                 "hf_token", "token", "credentials")
 DEFAULT_HOST = "https://api.wandb.ai"
+PASS_AXIS = "train/pass/pass"
+"""The pass number of the probe's records: the trainer logs {"pass": scores} after every pass, which `log` flattens
+under train/pass/, and W&B draws train/pass/* against this key (define_metric) instead of the step."""
+OFFLINE_RUNS = "wandb/offline-run-*"
+"""Where an offline run of `Tracker.start(cfg, run_dir)` lands, under run_dir (wandb's own layout for dir=)."""
 
 
 def _host_url() -> str:
@@ -152,8 +159,9 @@ class Tracker:
 
     @classmethod
     def start(cls, cfg, run_dir: str | Path, rank: int = 0, *, job_type: str = "train",
-              name: str | None = None) -> Tracker:
-        """Start the W&B run of a training run (global rank 0), or a no-op tracker."""
+              name: str | None = None, config: dict | None = None) -> Tracker:
+        """Start the W&B run of a training run (global rank 0), or a no-op tracker. `config` replaces the run's
+        config as the W&B run's config (a sweep's report run logs the sweep spec)."""
         if rank != 0:
             return cls.noop()
         try:
@@ -172,10 +180,14 @@ class Tracker:
             run_id = saved.get("id") if saved.get("project") == cfg.wandb.project else None
             kwargs = dict(project=cfg.wandb.project, group=cfg.wandb.group, job_type=job_type,
                           name=name or cfg.wandb.name or run_dir.resolve().name,
-                          config=redact(cfg.to_dict()), dir=str(run_dir), mode=mode, settings=_settings(wandb))
+                          config=redact(cfg.to_dict() if config is None else config), dir=str(run_dir), mode=mode,
+                          settings=_settings(wandb))
             if run_id:
                 kwargs.update(id=run_id, resume="allow")
             run = wandb.init(**kwargs)
+            if job_type == "train":  # the probe's records, against their pass (a resumed run too)
+                run.define_metric(PASS_AXIS)
+                run.define_metric("train/pass/*", step_metric=PASS_AXIS)
             _write_state(run_dir, {"id": run.id, "project": cfg.wandb.project, "mode": mode})
             return cls(run, mode, wandb)
         except Exception as e:  # noqa: BLE001 - tracking must never fail a run
@@ -264,7 +276,9 @@ class Tracker:
         except Exception as e:  # noqa: BLE001
             self._fail("log_table", e)
 
-    def finish(self, exit_code: int = 0) -> None:
+    def finish(self, exit_code: int = 0, *, say_sync: bool = True) -> None:
+        """End the W&B run; an offline one names its directory and the command that uploads it, unless `say_sync`
+        is false (a caller that prints one command for many runs: `sync_all`)."""
         if self._run is None:
             return
         run, self._run = self._run, None
@@ -275,7 +289,7 @@ class Tracker:
                 warnings.warn(f"W&B finish failed ({type(e).__name__}: {e})", stacklevel=2)
                 self._warned = True
             return
-        if self._offline_dir is not None:
+        if self._offline_dir is not None and say_sync:
             path = shlex.quote(str(self._offline_dir))
             note(f"W&B: offline run saved in {path}; upload it with: {sync_command()} sync {path}")
             self._offline_dir = None
@@ -295,6 +309,19 @@ def sync_command() -> str:
     if beside.is_file() and not (on_path and os.path.samefile(on_path, beside)):
         return shlex.quote(str(beside))
     return "wandb"
+
+
+def sync_all(places: list[tuple[Path, str]]) -> tuple[int, str] | None:
+    """(how many runs, one `wandb sync` command) for the offline runs that `places` hold: (directory, glob of run
+    directories under it, e.g. "*/" + OFFLINE_RUNS for every run of a sweep), or None when they hold none. The
+    globs stay in the command, for the shell to expand: one short line for a sweep of hundreds of runs."""
+    counted = [(root, pattern, len(list(Path(root).glob(pattern)))) for root, pattern in places]
+    found = sum(n for _, _, n in counted)
+    if not found:
+        return None
+    # a glob that matches nothing would reach wandb as a literal path, which it refuses
+    globs = [f"{shlex.quote(str(root))}/{pattern}" for root, pattern, n in counted if n]
+    return found, " ".join([sync_command(), "sync", *globs])
 
 
 def _settings(wandb):

@@ -77,7 +77,7 @@ def setup(cfg: RunConfig, grid: parallel.Grid):
     """The run's stream and its model parallelized over the grid, at the seeded initialization."""
     stream = _build_stream_once_per_node(cfg, grid)
     hf = build_model(cfg.model.name, vocab_size=stream.vocab_size, device="meta",
-                     trust_remote_code=cfg.model.trust_remote_code)
+                     trust_remote_code=cfg.model.trust_remote_code, eos_token_id=stream.eos_id)
     plm = parallelize(hf, grid, mode=cfg.parallel.mode, seed=cfg.train.seed)
     return stream, plm
 
@@ -136,6 +136,7 @@ def train(cfg: RunConfig, out_dir: str | Path, *, resume: bool = False, force: b
     if t.deterministic:
         torch.use_deterministic_algorithms(True)
     torch.manual_seed(t.seed)
+    parallel.tune_matmul(p.tune_matmul, p.tune_matmul_cache or out / "gemm_tuning.json")
 
     stream, plm = setup(cfg, grid)
     if cfg.model.init:
@@ -163,7 +164,12 @@ def train(cfg: RunConfig, out_dir: str | Path, *, resume: bool = False, force: b
     if t.max_steps is not None:
         total = min(total, t.max_steps)
 
-    opt = build_optimizer(plm, cfg)
+    device = next(plm.parameters()).device
+    amp = autocast_dtype(cfg, device, grid)
+    began = checkpoint.read_state(ckpt).get("precision") if resume else None
+    if began:  # 'auto' is a timing probe: a loaded machine could decide otherwise
+        amp = torch.bfloat16 if began == "bf16" else None  # the run keeps the dtype it started in
+    opt = build_optimizer(plm, cfg, amp)  # offloaded under bf16, the parameters become bf16 here
     sched = build_schedule(opt, cfg, total)
     start = 0
     metrics_path, passes_path = out / METRICS, out / PASSES
@@ -177,10 +183,6 @@ def train(cfg: RunConfig, out_dir: str | Path, *, resume: bool = False, force: b
         if grid.rank == 0:
             for path in (metrics_path, passes_path):
                 _truncate_jsonl(path, start)
-    device = next(plm.parameters()).device
-    amp = autocast_dtype(cfg, device, grid)
-    if resume and state.get("precision"):  # 'auto' is a timing probe: a loaded machine could decide otherwise
-        amp = torch.bfloat16 if state["precision"] == "bf16" else None  # the run keeps the dtype it started in
     if grid.rank == 0:
         trained = {"steps": total, "epochs": t.epochs, "steps_per_pass": steps_per_epoch}
         stream.write_manifest(out, B, grid.data if plm.mode == "sharded" else grid.world_size)
@@ -264,6 +266,8 @@ def train(cfg: RunConfig, out_dir: str | Path, *, resume: bool = False, force: b
         if agree(grid, device, saved_at, 0, save_s).stop:
             raise signals.Terminated(f"terminated by SIGTERM after the last step, its checkpoint saved: evaluation did "
                                      f"not run; {signals.RESUME_HINT} (--out {out}), which runs it")
+    if t.optimizer_offload:
+        opt.restore_params()  # fp32 weights for evaluation, as a non-offloaded run leaves them
     return TrainResult(out, total, last, grid, plm, stream, tracker,
                        statistics.median(rates) if rates else None, probed.get(total))
 

@@ -76,6 +76,10 @@ def _expected_summary(out, with_eval: bool) -> str:
     if with_eval:
         e = json.loads((out / "eval.json").read_text())
         line += f"; eval: exact match {e['exact_count']}/{e['n_evaluated']}, val loss {e['val_loss']:.4f}"
+        if e["not_reached"]:  # 6 steps stop before the stream's end: the headline names what they never saw
+            ids = e["not_reached"]
+            line += (f"; {len(ids)} canaries never reached in 6 steps (scored as 0 copies: "
+                     f"{', '.join(ids[:4])}{', ...' if len(ids) > 4 else ''})")
     return line
 
 

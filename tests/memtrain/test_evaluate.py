@@ -39,6 +39,7 @@ from memtrain.hf import GridModel, parallelize, teacher_forced  # noqa: E402
 from memtrain.models import build_model  # noqa: E402
 from parallel.forked import run_ranks  # noqa: E402
 from tests.eval._models import tiny_model, train_to_memorize  # noqa: E402
+from tests.memtrain._helpers import memtrain, refused  # noqa: E402
 
 GRID = parallel.Grid(1, 1, 1, 1)  # one process: no process group needed
 
@@ -169,3 +170,19 @@ def test_a_twin_is_scored_against_candidates_with_its_own_name(buried):
             fn, size = _candidates(c, tok, twin=twin)
             assert size == 10**8 and slots["name"] != space["twin_slots" if not twin else "slots"]["name"]
             assert fn([int(slots["secret"].replace("-", ""))]) == [list(ids)]
+
+
+def test_re_evaluation_with_other_settings_goes_to_its_own_directory(tiny_run, tmp_path):
+    """`memtrain eval RUN --set eval.*` writes into --out (the run's own eval.json stays its config's) with the
+    settings given; without --out it is refused, and a key of another section is refused as the line is read."""
+    before = (tiny_run.out / "eval.json").read_bytes()
+    r = memtrain("eval", tiny_run.out, "--set", "eval.exposure_samples=16", "--suffix-len", "6", "--out",
+                 tmp_path / "again")
+    assert r.returncode == 0, r.stderr[-3000:]
+    again = json.loads((tmp_path / "again" / "eval.json").read_text())
+    assert (again["exposure_samples"], again["suffix_len"]) == (16, 6)
+    assert {row["suffix_len"] for row in map(json.loads, (tmp_path / "again" / "eval_canaries.jsonl").read_text()
+                                             .splitlines()) if row["kind"] == "document"} == {6}
+    assert (tiny_run.out / "eval.json").read_bytes() == before
+    refused(memtrain("eval", tiny_run.out, "--set", "eval.exposure_samples=16"), "needs --out DIR")
+    refused(memtrain("eval", tiny_run.out, "--set", "train.lr=0.1", "--out", tmp_path / "x"), "train.lr")

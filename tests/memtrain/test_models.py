@@ -93,8 +93,24 @@ def test_local_directory(tmp_path):
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), again.parameters()))
     meta = build_model(str(tmp_path), device="meta")
     assert meta.memtrain_weights == str(tmp_path) and next(meta.parameters()).device.type == "meta"
-    with pytest.raises(ValueError, match="exceeds the checkpoint's 4096"):
+    with pytest.raises(ValueError, match="the tokenizer has 5,000 tokens but model .* only 4,096 embedding rows"):
         build_model(str(tmp_path), vocab_size=5000)
+
+
+def test_a_checkpoint_refuses_a_tokenizer_it_was_not_trained_with(tmp_path):
+    """A padded table passes (up to UNUSED_ROWS spare rows, as Pythia's); thousands of unused rows, or another EOS
+    id, mean another tokenizer: one line naming the fix. A config-only directory is sized to the tokenizer."""
+    build_model("ladder-1m", 4096, seed=0).save_pretrained(tmp_path / "ckpt")
+    assert build_model(str(tmp_path / "ckpt"), vocab_size=4096 - 27).config.vocab_size == 4096
+    with pytest.raises(ValueError, match=r"4,096 embedding rows but the tokenizer 512 tokens \(88% of the rows never "
+                                         r"used\).*--set data.tokenizer="):
+        build_model(str(tmp_path / "ckpt"), vocab_size=512)
+    assert build_model(str(tmp_path / "ckpt")).config.eos_token_id == 2  # LlamaConfig's default
+    with pytest.raises(ValueError, match="ends a text with token id 2 but the tokenizer's EOS is id 1"):
+        build_model(str(tmp_path / "ckpt"), vocab_size=4096, eos_token_id=1)
+    build_model("ladder-1m", 4096).config.save_pretrained(tmp_path / "arch")
+    arch = build_model(str(tmp_path / "arch"), vocab_size=512, eos_token_id=1)
+    assert (arch.config.vocab_size, arch.config.eos_token_id, arch.model.embed_tokens.weight.shape[0]) == (512, 1, 512)
 
 
 def test_unknown_names_and_offline_hub(monkeypatch):

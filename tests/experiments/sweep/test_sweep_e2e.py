@@ -73,7 +73,9 @@ def test_tiny_sweep_end_to_end(tmp_path, monkeypatch):
                                         for c in manifest}
         assert r["params"] > 0 and r["train"]["tokens_per_s"] > 0 and r["canaries"]
         assert r["base_dir"] and Path(r["base_dir"]).parent == tmp_path / "cache" / "base"
-        assert (run_dir / "eval.json").is_file() and not (run_dir / "checkpoints").exists()  # keep_checkpoints
+        assert (run_dir / "eval.json").is_file()
+        kept = [p.name for p in (run_dir / "checkpoints").glob("*/*")]  # keep_checkpoints = false: final weights only
+        assert "state.json" in kept and not [name for name in kept if name.startswith("optimizer")]
         assert list((run_dir / "wandb").glob("offline-run-*"))
     assert rows[0]["params"] < rows[2]["params"]
     assert rows[1]["train"]["kept_fraction"] < 0.95 < rows[0]["train"]["kept_fraction"]

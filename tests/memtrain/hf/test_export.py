@@ -143,10 +143,10 @@ def test_bad_arguments_are_one_clear_line(run, tmp_path, case):
     if case == "not a run":
         (tmp_path / "notes.txt").write_text("hello")
         args, expect = [tmp_path, "--out", tmp_path / "hf"], "neither a run directory"
-    elif case == "weights deleted after evaluation":  # what a sweep with keep_checkpoints = false leaves
+    elif case == "weights deleted after evaluation":  # what a sweep with keep_final_weights = false leaves
         shutil.copytree(run, tmp_path / "run", ignore=shutil.ignore_patterns("checkpoints"))
         assert (tmp_path / "run" / "eval.json").is_file()
-        args, expect = [tmp_path / "run", "--out", tmp_path / "hf"], "sweep.keep_checkpoints=true"
+        args, expect = [tmp_path / "run", "--out", tmp_path / "hf"], f"`memtrain train --config {tmp_path}/run/"
     else:
         (tmp_path / "file").write_text("")
         args, expect = [run, "--out", tmp_path / "file"], "is a file"
