@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Llama
 
 from memtrain.scoring import start_ids
 
-from ._helpers import ENV, ROOT, memtrain
+from ._helpers import ENV, ROOT, cli, memtrain
 from .test_cli import TORCHRUN
 
 SEEN = ["Jane Roe's card number is 4111 1111 1111 1111.", "The vault opens with 7731-0042 on Tuesdays.",
@@ -138,7 +138,7 @@ def test_start_token_is_bos_when_the_tokenizer_adds_one():
 def test_bad_canary_file_is_one_line(model_dir, tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "a"}\n{"txt": "b"}\n')
-    r = memtrain("eval", "--model", model_dir, "--canaries", bad, "--out", tmp_path / "o")
+    r = cli("eval", "--model", model_dir, "--canaries", bad, "--out", tmp_path / "o")  # in this process: fails early
     assert r.returncode == 2
     assert r.stderr.strip().splitlines() == [f"memtrain: error: canary file {str(bad)!r} line 2 has unknown keys "
                                              "['txt']: use only ['copies', 'id', 'kind', 'prefix', 'suffix', 'text', "
