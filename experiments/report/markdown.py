@@ -48,7 +48,7 @@ def _cell(v, fmt="{:.3f}") -> str:
     return str(v).replace("|", "\\|")
 
 
-def _table(header: list[str], align: str, rows) -> list[str]:
+def md_table(header: list[str], align: str, rows) -> list[str]:
     """Markdown table lines; align has one letter per column: 'l' (labels) or 'r' (numbers)."""
     return ["| " + " | ".join(header) + " |", "|" + "".join("---|" if a == "l" else "---:|" for a in align),
             *("| " + " | ".join(row) + " |" for row in rows)]
@@ -107,7 +107,7 @@ def _passes_section(rows: list[dict], kind: str | None, study: dict) -> list[str
                           *(_rate((at[p][1], at[p][2], at[p][3], at[p][4], at[p][5])) if p in at else "-"
                             for p in show)])
         header = ["model", "params", f"passes to {THRESHOLD:.0%}", "95% interval", *(f"pass {p}" for p in show)]
-        lines += [f"**{loss}**", "", *_table(header, "lrrr" + "r" * len(show), table)]
+        lines += [f"**{loss}**", "", *md_table(header, "lrrr" + "r" * len(show), table)]
         if s:
             lines += ["", *_trend_lines(s)]
         lines.append("")
@@ -158,7 +158,7 @@ def _base_section(rows: list[dict]) -> list[str]:
         table.append([b["model"], human(b["params"] or 0), _cell(b.get("steps")), _cell(f(b.get("seconds")), "{:.0f}"),
                       _cell(f(b.get("val_loss"))), _cell(f(b.get("unigram_entropy"))), _cell(gap)])
     header = ["model", "params", "steps", "seconds", "val loss", "unigram entropy", "below unigram"]
-    return lines + _table(header, "lrrrrrr", table) + [""]
+    return lines + md_table(header, "lrrrrrr", table) + [""]
 
 
 def _cost_section(rows: list[dict]) -> list[str]:
@@ -173,7 +173,7 @@ def _cost_section(rows: list[dict]) -> list[str]:
               _cell(c["standard_same_steps"])] for c in cost]
     header = ["model", "loss", "seed", "passes", "kept", "goldfish val", "standard, equal supervised tokens",
               "standard, equal steps"]
-    return lines + _table(header, "llrrrrrr", table) + [""]
+    return lines + md_table(header, "llrrrrrr", table) + [""]
 
 
 def _lr_section(rows: list[dict]) -> list[str]:
@@ -187,7 +187,7 @@ def _lr_section(rows: list[dict]) -> list[str]:
         best = max(d["points"], key=lambda p: p[2])
         table.append([model, human(d["params"] or 0), f"{best[0]:g}", _cell(best[1], "{:.2e}"),
                       "yes" if 0.5 <= best[0] <= 2 else "NO"])
-    return lines + _table(["model", "params", "best scale", "best lr", "within 2x"], "lrrrl", table) + [""]
+    return lines + md_table(["model", "params", "best scale", "best lr", "within 2x"], "lrrrl", table) + [""]
 
 
 def _exposure_note(ok: list[dict]) -> str:
@@ -223,7 +223,7 @@ def write_markdown(rows: list[dict], figs: list[Path], out: Path, lead: list[str
              f"{_cell(t['exact_match'])} ({_cell(t['n'])})", f"{_cell(t['rougeL'])} / {_cell(t['rougeL_text'])}",
              _cell(t["exposure"], "{:.2f}"), _cell(t["mia_auc"]), _cell(t["val_loss"]), _cell(t["train_loss"]),
              _cell(t["status"])] for t in table_rows(rows)]
-    lines += ["## Runs", "", *_table(["point", "model", "params", "loss", "seed", "lr", "exact match (n)",
+    lines += ["## Runs", "", *md_table(["point", "model", "params", "loss", "seed", "lr", "exact match (n)",
                                       "ROUGE-L (ids / text)", "exposure", "MIA AUC", "val loss", "train loss",
                                       "status"], "llrlrrrrrrrrl", runs)]
     copies = copies_of(rows)
@@ -240,13 +240,13 @@ def write_markdown(rows: list[dict], figs: list[Path], out: Path, lead: list[str
         lines += ["", "## Exact match by copies seen", "",
                   "Copies seen in training: copies per pass x passes. Pooled over seeds: rate [95% Wilson interval] "
                   "(k/n).", "",
-                  *_table(["loss", "model", *(f"{c}x" for c in copies)], "ll" + "r" * len(copies), table)]
+                  *md_table(["loss", "model", *(f"{c}x" for c in copies)], "ll" + "r" * len(copies), table)]
     lines += ["", *_base_section(rows), *_cost_section(rows), *_lr_section(rows)]
     in_row = [r for r in ok if (r.get("eval") or {}).get("in_row")]
     if in_row:
         lines += ["## Canaries buried mid-row (no document attention)", "",
                   "Exact match from the canary's own prefix vs from its recorded row context.", "",
-                  *_table(["point", "own prefix", "row context"], "lrr",
+                  *md_table(["point", "own prefix", "row context"], "lrr",
                           [[r["point"], _cell(ev(r, "exact_match_rate")), _cell(ev(r, "in_row", "exact_match_rate"))]
                            for r in in_row]), ""]
     lines += ["## Anchors", "", *[f"- {a}" for a in ANCHORS], ""]

@@ -11,6 +11,7 @@ from pathlib import Path
 from .aggregate import human
 from .figure_files import save_figure as _save
 from .figure_files import write_csv as _csv
+from .markdown import md_table
 from .single_pass import N_BOOT, dose_response, mia_one_exposure, one_exposure, training_order, utility
 
 PALETTE = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b")
@@ -167,24 +168,22 @@ def section(nums: dict) -> list[str]:
     if not once:
         return []
     lines = ["## One pass: what it memorizes", "", *summary(nums), "### Figure 1: one exposure", ""]
-    lines += ["| loss | model | params | exact match, one exposure [95% Wilson] | drop: member - twin (nats/token) "
-              "[95% CI] | dropped positions | kept positions |", "|---|---|---:|---:|---:|---:|---:|"]
-    for r in once:
-        lines.append(f"| {r['loss']} | {r['model']} | {human(r['params'])} | {r['k']}/{r['n']} "
-                     f"[{r['exact'][0]:.2f}, {r['exact'][1]:.2f}] | {_interval(r['drop'])} | "
-                     f"{_interval(r['drop_dropped'])} | {_interval(r['drop_kept'])} |")
+    lines += md_table(["loss", "model", "params", "exact match, one exposure [95% Wilson]",
+                    "drop: member - twin (nats/token) [95% CI]", "dropped positions", "kept positions"], "llrrrrr",
+                   [[r["loss"], r["model"], human(r["params"]), f"{r['k']}/{r['n']} [{r['exact'][0]:.2f}, "
+                     f"{r['exact'][1]:.2f}]", _interval(r["drop"]), _interval(r["drop_dropped"]),
+                     _interval(r["drop_kept"])] for r in once])
     for loss, d in dose.items():
         trend = d["trend"]
         if trend is None:
             continue
         lines += ["", f"### Copies to 50% exact match within one pass: {loss}", "",
                   "Monotone fit of exact match over copies per size; 95% cluster-bootstrap interval; '> c' a size "
-                  "that never reached 50% (a lower bound), '<= c' one already there at its fewest copies.", "",
-                  "| model | params | copies to 50% | 95% interval |", "|---|---:|---:|---:|"]
-        for model, s in trend["sizes"].items():
-            lo, hi = s["interval"]
-            lines.append(f"| {model} | {human(s['params'])} | {s['crossing'].label()} | "
-                         f"[{_bound(lo) if lo > -math.inf else '<= smallest'}, {_bound(hi)}] |")
+                  "that never reached 50% (a lower bound), '<= c' one already there at its fewest copies.", ""]
+        lines += md_table(["model", "params", "copies to 50%", "95% interval"], "lrrr",
+                       [[model, human(s["params"]), s["crossing"].label(),
+                         f"[{_bound(s['interval'][0]) if s['interval'][0] > -math.inf else '<= smallest'}, "
+                         f"{_bound(s['interval'][1])}]"] for model, s in trend["sizes"].items()])
         lo, hi = trend["slope_interval"]
         slope = "-" if trend["slope"] is None else f"{trend['slope']:.2f}"
         lines += ["", f"Power law copies-to-50% ~ N^slope: slope {slope}, 95% interval "
@@ -206,12 +205,11 @@ def _utility_table(util: list[dict]) -> list[str]:
         return []
     lines = ["### Utility: held-out loss before and after the pass", "",
              "20k tokens of whole held-out documents, the same for the base (pass 0) and the fine-tuned model; mean "
-             "over runs (seeds), 95% bootstrap interval over runs.", "",
-             "| loss | model | params | runs | base | after the pass | change [95% CI] | worst run |",
-             "|---|---|---:|---:|---:|---:|---:|---:|"]
-    lines += [f"| {u['loss']} | {u['model']} | {human(u['params'])} | {u['runs']} | {u['base']:.3f} | "
-              f"{u['after']:.3f} | {_interval(u['delta'])} | {u['worst']:+.3f} |" for u in util]
-    return [*lines, ""]
+             "over runs (seeds), 95% bootstrap interval over runs.", ""]
+    rows = [[u["loss"], u["model"], human(u["params"]), str(u["runs"]), f"{u['base']:.3f}", f"{u['after']:.3f}",
+             _interval(u["delta"]), f"{u['worst']:+.3f}"] for u in util]
+    header = ["loss", "model", "params", "runs", "base", "after the pass", "change [95% CI]", "worst run"]
+    return [*lines, *md_table(header, "llrrrrrr", rows), ""]
 
 
 def _mia_table(mia: list[dict]) -> list[str]:
@@ -220,14 +218,13 @@ def _mia_table(mia: list[dict]) -> list[str]:
     lines = ["### Membership inference at one exposure", "",
              "Members seen exactly once against every never-trained twin, pooled over seeds. Loss attack: lower "
              "suffix loss = member; calibrated: its drop from the base model. TPR at the largest threshold whose "
-             "false-positive rate is <= 1% of the twins (0 false positives below 100 twins).", "",
-             "| loss | model | members / twins | AUC loss | AUC calibrated | TPR at 1% FPR, loss | "
-             "TPR at 1% FPR, calibrated |", "|---|---|---:|---:|---:|---:|---:|"]
-    for m in mia:
-        a, c = m["attack_loss"], m["attack_calibrated"]
-        lines.append(f"| {m['loss']} | {m['model']} | {c['n_members']} / {c['n_twins']} | {a['auc']:.2f} | "
-                     f"{c['auc']:.2f} | {a['tpr_at_1pct_fpr']:.2f} | {c['tpr_at_1pct_fpr']:.2f} |")
-    return [*lines, ""]
+             "false-positive rate is <= 1% of the twins (0 false positives below 100 twins).", ""]
+    rows = [[m["loss"], m["model"], f"{c['n_members']} / {c['n_twins']}", f"{a['auc']:.2f}", f"{c['auc']:.2f}",
+             f"{a['tpr_at_1pct_fpr']:.2f}", f"{c['tpr_at_1pct_fpr']:.2f}"]
+            for m in mia for a, c in [(m["attack_loss"], m["attack_calibrated"])]]
+    header = ["loss", "model", "members / twins", "AUC loss", "AUC calibrated", "TPR at 1% FPR, loss",
+              "TPR at 1% FPR, calibrated"]
+    return [*lines, *md_table(header, "llrrrrr", rows), ""]
 
 
 def _order_table(order: list[dict]) -> list[str]:
@@ -237,8 +234,8 @@ def _order_table(order: list[dict]) -> list[str]:
              "Within each copies level, the Spearman correlation of a member's last training step with its "
              "log-likelihood after the pass (positive: later-seen canaries are remembered better), pooled over runs "
              "weighted by members; a check on the data order, with few members per level and run. Under a decaying "
-             "learning rate a late copy is also trained with a smaller step, which pulls the other way.", "",
-             "| loss | model | runs | members | Spearman (pooled) | range over runs |", "|---|---|---:|---:|---:|---:|"]
-    lines += [f"| {o['loss']} | {o['model']} | {o['runs']} | {o['n']} | {o['rho']:+.2f} | [{o['lo']:+.2f}, "
-              f"{o['hi']:+.2f}] |" for o in order]
-    return [*lines, ""]
+             "learning rate a late copy is also trained with a smaller step, which pulls the other way.", ""]
+    rows = [[o["loss"], o["model"], str(o["runs"]), str(o["n"]), f"{o['rho']:+.2f}",
+             f"[{o['lo']:+.2f}, {o['hi']:+.2f}]"] for o in order]
+    return [*lines, *md_table(["loss", "model", "runs", "members", "Spearman (pooled)", "range over runs"], "llrrrr",
+                           rows), ""]
