@@ -22,7 +22,7 @@ from memtrain.api import evaluate
 from memtrain.config import RunConfig, apply_overrides, from_dict
 from memtrain.config import load as load_config
 from memtrain.data import canary_file
-from memtrain.evaluate import run_model
+from memtrain.evaluate import eval_grid, run_model
 from memtrain.export import resolve, run_tokenizer
 from memtrain.files import write_atomic
 from memtrain.hf import GridModel, parallelize
@@ -83,18 +83,17 @@ def _load_one_process(model: str, cfg: RunConfig | None, ckpt, tok, trust_remote
 
 def _load_on_grid(model: str, cfg: RunConfig, run_cfg: RunConfig | None, ckpt, tok, trust_remote_code: bool):
     """The model sharded over a grid of the launched processes, each reading only its slices of the weights."""
-    p = cfg.parallel
-    grid = parallel.init(data=-1, x=p.x, y=p.y, z=p.z, backend=p.backend, timeout_s=p.timeout_s or 600.0)
+    grid = eval_grid(cfg)
     if run_cfg is not None:
         hf = build_model(run_cfg.model.name, vocab_size=len(tok), device="meta",
                          trust_remote_code=trust_remote_code)
-        plm = parallelize(hf, grid, mode=p.mode, weights="seed")
+        plm = parallelize(hf, grid, mode=cfg.parallel.mode, weights="seed")
         with checkpoint.read_weights(ckpt) as src:
             plm.load_hf_state_dict(src)
     else:
         hf = build_model(model, device="meta", trust_remote_code=trust_remote_code)
         _check_vocab(tok, hf.config, model)
-        plm = parallelize(hf, grid, mode=p.mode)  # loads the directory's safetensors, slice by slice
+        plm = parallelize(hf, grid, mode=cfg.parallel.mode)  # loads the directory's safetensors, slice by slice
     return grid, GridModel(plm)
 
 

@@ -245,8 +245,7 @@ def evaluate_run(run_dir: Path, checkpoint_path: str | None = None, trust_remote
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
     if parallel.launch_world_size() > 1:
-        p = cfg.parallel
-        grid = parallel.init(data=-1, x=p.x, y=p.y, z=p.z, backend=p.backend, timeout_s=p.timeout_s or 600.0)
+        grid = eval_grid(cfg)
         try:
             stream, plm = setup(cfg, grid)
             _check_stream(run_dir, info, stream)
@@ -262,6 +261,12 @@ def evaluate_run(run_dir: Path, checkpoint_path: str | None = None, trust_remote
         weights = {k: src.read(k) for k in src.keys()}  # one process evaluates the whole model
     model = run_model(cfg, stream.vocab_size, weights)
     return evaluate(model, stream, cfg, dest, steps)
+
+
+def eval_grid(cfg: RunConfig) -> parallel.Grid:
+    """The grid of the launched processes for an evaluation: cfg's x, y and z, data taking the remaining ranks."""
+    p = cfg.parallel
+    return parallel.init(data=-1, x=p.x, y=p.y, z=p.z, backend=p.backend, timeout_s=p.timeout_s or 600.0)
 
 
 def _check_stream(run_dir: Path, info: dict, stream) -> None:

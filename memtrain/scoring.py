@@ -118,14 +118,12 @@ def by_kind(rows: list[dict]) -> dict:
     attack's AUC and TPR at 1% FPR (members vs that kind's twins)."""
     out = {}
     for kind in sorted({r["kind"] for r in rows}, key=str):
-        members = [r for r in rows if r["kind"] == kind and r["inserted"]]
-        twins = [r for r in rows if r["kind"] == kind and not r["inserted"]]
-        done = [r for r in members if r["exact_match"] is not None]
-        twins_done = [r for r in twins if r["exact_match"] is not None]
-        mia = ev.roc_metrics([r["loss"] for r in members if "loss" in r], [r["loss"] for r in twins if "loss" in r])
-        out[kind] = {"n": len(members), "n_evaluated": len(done), "exact_count": sum(r["exact_match"] for r in done),
-                     "token_match": sum(r["token_match"] for r in done) / len(done) if done else None,
-                     "twins": len(twins), "twins_evaluated": len(twins_done),
-                     "twins_exact_count": sum(r["exact_match"] for r in twins_done),
+        own = [r for r in rows if r["kind"] == kind]
+        members, twins = summary(own), summary([dict(r, inserted=True) for r in own if not r["inserted"]])
+        mia = ev.roc_metrics([r["loss"] for r in own if r["inserted"] and "loss" in r],
+                             [r["loss"] for r in own if not r["inserted"] and "loss" in r])
+        out[kind] = {**{k: members[k] for k in ("n", "n_evaluated", "exact_count", "token_match")},
+                     "twins": twins["n"], "twins_evaluated": twins["n_evaluated"],
+                     "twins_exact_count": twins["exact_count"],
                      "mia_auc_loss": mia["auc"], "mia_tpr_at_1pct_fpr": mia["tpr_at_1pct_fpr"]}
     return out
