@@ -55,12 +55,9 @@ def _candidates(c, tok, twin: bool = False):
         name = space["twin_slots" if twin else "slots"]["name"]
 
         def fn(indices):
-            out = []
-            for i in indices:
-                d = str(i).zfill(n_digits)
-                secret = "-".join(d[g * 4:g * 4 + 4] for g in range(groups))
-                out.append(tok(render_secret(name, secret), add_special_tokens=False)["input_ids"])
-            return out
+            digits = [str(i).zfill(n_digits) for i in indices]
+            texts = [render_secret(name, "-".join(d[g * 4:g * 4 + 4] for g in range(groups))) for d in digits]
+            return tok(texts, add_special_tokens=False)["input_ids"]  # one call: a chunk is thousands of candidates
 
         return fn, space["size"]
     if c.format == "tokens":
