@@ -180,9 +180,9 @@ class Cluster:
             return _pid_running(int(job.job_id)) and not job.task(0).paths.result_pickle.exists()
         if self.local or self._has_accounting(job):
             return not job.done()
+        state = _squeue_state(str(job.job_id))  # before the results: a job ending between the two looks lost
         if all(job.task(i).paths.result_pickle.exists() for i in range(job.num_tasks)):
             return False
-        state = _squeue_state(str(job.job_id))
         if state is None or (state != "" and state not in ENDED):  # live, or squeue cannot say now: wait on
             self._gone_since.pop(str(job.job_id), None)
             return True

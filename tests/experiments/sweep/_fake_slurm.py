@@ -73,10 +73,15 @@ NO_ACCOUNTING = '''
 '''
 
 SQUEUE = '''
-    import os, sys
+    import os, sys, time
     from pathlib import Path
     args = sys.argv[1:]
     f = Path(os.environ["FAKE_SLURM_STATE"]) / f"{args[args.index('-j') + 1]}.state"
+    if os.environ.get("FAKE_SQUEUE_SLOW"):  # a slow controller: the job ends while it is being asked
+        for _ in range(600):
+            if f.read_text().strip() not in ("PENDING", "RUNNING"):
+                break
+            time.sleep(0.1)
     state = f.read_text().strip() if f.is_file() else ""
     if state not in ("PENDING", "RUNNING"):
         print("slurm_load_jobs error: Invalid job id specified", file=sys.stderr)

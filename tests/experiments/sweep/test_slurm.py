@@ -308,3 +308,19 @@ def test_without_job_accounting_a_job_that_died_without_its_result_is_not_waited
     assert "following jobs with squeue" in capsys.readouterr().out
     assert cli.main(argv + ["--resume"]) == 0
     assert [r["status"] for r in results(out)] == ["failed", "ok"]
+
+
+def test_without_job_accounting_a_job_that_ends_while_squeue_is_asked_is_not_taken_for_lost(env, monkeypatch):
+    """squeue is asked first and the result files after: a job that writes its result and ends between the two
+    (here squeue answers only once the job has ended) is read as finished, not as lost without a result."""
+    fake_slurm.install(env["tmp"] / "bin", accounting=False)
+    monkeypatch.setenv("PATH", f"{env['tmp'] / 'bin'}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("FAKE_SLURM_STATE", str(env["tmp"] / "slurm"))
+    monkeypatch.setenv("FAKE_SQUEUE_SLOW", "1")
+    monkeypatch.setenv("FAKE_SLEEP", "1.5")  # its log file is then older than the sweep's grace for a lost job
+    out = env["tmp"] / "runs"
+    argv = [str(env["spec"]), "--out", str(out), "--runner", env["runner"], "--no-report", "--only",
+            "ladder-1m_standard", "--launcher", "slurm", "--partition", "cpu", "--time", "5", "--gpus-per-node", "0",
+            "--tasks-per-node", "1", "--nodes", "1", "--poll", "0.2"]
+    assert cli.main(argv) == 0
+    assert [r["status"] for r in results(out)] == ["ok"]
