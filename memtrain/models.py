@@ -13,10 +13,17 @@ Families:
 - `ladder-*`: Llama-architecture models from ~1M to ~100M parameters at vocab 4096 (a locally trained
   tokenizer's size), depth growing with width. Hidden size, heads, kv heads and intermediate size are all
   multiples of 8 so every 8-rank grid fits in sharded mode; embeddings are untied (as in Llama 3).
-- `llama-3.1-8b/70b/405b`, `pythia-*` (GPT-NeoX), `gpt2`: the real shapes of the published models, to
-  simulate them (device="meta") or train them with random init; load real weights with a local
-  directory and `ParallelLM.load_hf_state_dict`.
+- `llama-3.1-8b/70b/405b`, `llama-3.2-1b`, `pythia-*` (GPT-NeoX), `gpt2`: the real shapes of the published
+  models, to simulate them (device="meta") or train them with random init; load real weights with a local
+  directory and `ParallelLM.load_hf_state_dict`. `llama-3.2-1b` is the GPU default of experiments/bench/train.py.
 - `gpt2-tiny`: a 2-layer GPT-2 for tests and demos.
+
+Attention is torch's scaled_dot_product_attention (transformers' "sdpa": flash or memory-efficient kernels on
+CUDA) for every architecture transformers implements it for, asked for by name so no change of transformers'
+default can switch it. The engine runs these attention modules as they are (parallelize replaces linears,
+embeddings and norms), so it is the training path too. Exceptions: an architecture without an SDPA path in
+transformers (Bloom, GPT-J, GPT-Neo, Gemma 2...) gets transformers' eager attention, and a model with its own code
+(trust_remote_code) its own choice. `build_model(name, attn_implementation="eager")` builds the eager reference.
 
 Dropout is 0 in every named config: one-pass memorization runs train without it, and in sharded mode
 replicated activations would otherwise need identical dropout masks on every replica.
@@ -87,6 +94,10 @@ MODELS: dict[str, dict] = {
                           intermediate_size=28672),
     "llama-3.1-405b": dict(_LLAMA_31, hidden_size=16384, num_hidden_layers=126, num_attention_heads=128,
                            intermediate_size=53248),
+    # Llama 3.2 1B: 3.1's recipe at 1B, tied embeddings, RoPE stretched 32x (1.24B; 0.98B at vocab 4096)
+    "llama-3.2-1b": dict(_LLAMA_31, hidden_size=2048, num_hidden_layers=16, num_attention_heads=32,
+                         intermediate_size=8192, tie_word_embeddings=True,
+                         rope_parameters=dict(_LLAMA_31["rope_parameters"], factor=32.0)),
     "pythia-14m": _pythia(128, 6, 4),
     "pythia-70m": _pythia(512, 6, 8),
     "pythia-160m": _pythia(768, 12, 12),
@@ -129,13 +140,27 @@ def get_config(name: str, vocab_size: int | None = None, **overrides):
     return AutoConfig.for_model(kwargs.pop("model_type"), **kwargs)
 
 
+def _attention(config, trust_remote_code: bool) -> str | None:
+    """The attention implementation to build `config` with (module docstring): the caller's override, else "sdpa"
+    where transformers has it for the architecture, else None (transformers' choice)."""
+    from transformers import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    if config._attn_implementation is not None:
+        return config._attn_implementation
+    if trust_remote_code and "AutoModelForCausalLM" in (getattr(config, "auto_map", None) or {}):
+        return None  # the directory's own class, which may have no SDPA path
+    cls = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None)
+    return "sdpa" if getattr(cls, "_supports_sdpa", False) else None
+
+
 def _from_config(config, device, dtype, seed: int, trust_remote_code: bool = False):
     from transformers import AutoModelForCausalLM
 
     # HF draws its random init from the global generator: seed a forked copy, leave the caller's alone.
     with torch.random.fork_rng(devices=[]), torch.device(device or "cpu"):
         torch.manual_seed(seed)
-        return AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
+        return AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code,
+                                                attn_implementation=_attention(config, trust_remote_code))
 
 
 def _hub_error(name: str, err: Exception) -> OSError:
@@ -177,7 +202,7 @@ def build_model(name_or_path: str, vocab_size: int | None = None, *, device=None
     eos_token_id: the tokenizer's EOS, checked against a checkpoint's (and given to an architecture's config).
     device="meta": build the shapes without allocating. For a checkpoint the weights stay on disk: the
         returned model records their directory and `parallelize` loads them, slice by slice, into the shards.
-    overrides: config fields to replace (e.g. num_hidden_layers=2, attn_pdrop=0.0).
+    overrides: config fields to replace (e.g. num_hidden_layers=2, attn_pdrop=0.0, attn_implementation="eager").
     """
     if name_or_path in MODELS:
         return _from_config(get_config(name_or_path, vocab_size, **overrides), device, dtype, seed)
@@ -207,8 +232,8 @@ def build_model(name_or_path: str, vocab_size: int | None = None, *, device=None
         if weights:
             model.memtrain_weights = str(path)  # parallelize loads them, slice by slice, into the shards
         return model
-    model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=dtype,
-                                                 trust_remote_code=trust_remote_code)
+    model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=dtype, trust_remote_code=trust_remote_code,
+                                                 attn_implementation=_attention(config, trust_remote_code))
     return model.to(device) if device is not None else model
 
 

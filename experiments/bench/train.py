@@ -1,27 +1,50 @@
 """Benchmark: memtrain's training step (single process) vs a plain PyTorch loop on the same HF model.
 
-    python -m experiments.bench.train [--models ladder-10m,ladder-30m] [--steps 10] [--warmup 2]
-                                      [--batch 8] [--seq 256] [--threads N] [--json out.json]
+    python -m experiments.bench.train [--device cpu|cuda] [--precision fp32|bf16] [--models ladder-10m,ladder-30m]
+                                      [--steps 10] [--warmup 2] [--batch 8] [--seq 256] [--threads N] [--json out.json]
+
+--device defaults to cuda when torch sees a GPU (memtrain's trainer then uses it: `--device cpu` is refused there;
+hide the GPU with CUDA_VISIBLE_DEVICES= instead). Defaults per device: on cpu fp32, ladder-10m and ladder-30m,
+sequences of 256; on cuda bf16, llama-3.2-1b (Llama 3.2 1B's shape, 0.98B parameters at the stream's 4096-token
+vocabulary), sequences of 1024; batch 8 on both.
 
 memtrain side: `memtrain.training.train` itself (the function `memtrain train` runs), on grid (1,1,1,1):
 build_model on meta + parallelize, global-token normalization, sync_gradients, clip, AdamW, with
-max_steps = warmup + steps. Its per-step time is the `step_time_s` it writes to metrics.jsonl.
+max_steps = warmup + steps. Its per-step time is the `step_time_s` it writes to metrics.jsonl (on CUDA the
+trainer synchronizes before reading the clock).
 Plain side: the identical transformers model (same config, loaded with memtrain's initial weights)
-trained by `model(input_ids, labels=..., shift_labels=labels).loss.backward()`,
-`torch.nn.utils.clip_grad_norm_`, `torch.optim.AdamW` (same groups, hyper-parameters and LR
-schedule), fp32, on the same batches of the same stream (`stream.batch(step)`, fetched inside the
-timed step on both sides). memtrain's labels are already shifted (labels[:, j] is the target of
-position j), so the plain loop passes them as HF's `shift_labels` (and use_cache=False, as memtrain).
+trained by `model(input_ids, labels=..., shift_labels=labels, position_ids=...).loss.backward()`,
+`torch.nn.utils.clip_grad_norm_`, `torch.optim.AdamW` (same groups, hyper-parameters, LR schedule and
+implementation as memtrain's build_optimizer: torch's default on CPU, fused on CUDA), on the same batches of the
+same stream (`stream.batch(step)`, fetched and moved to the device inside the timed step on both sides).
+memtrain's labels are already shifted (labels[:, j] is the target of position j), so the plain loop passes them
+as HF's `shift_labels` (and use_cache=False, as memtrain); the batch's position_ids (document attention:
+positions restart at every packed document) go to both. --precision bf16 is autocast to bf16 around the forward
+and loss on both sides, as the trainer applies it (weights, gradients and AdamW stay fp32); fp32 is no autocast.
+On CUDA each plain step starts and ends with torch.cuda.synchronize.
 
 The two loops run interleaved, step by step (A B A B ...), through train()'s callbacks: `on_setup`
 snapshots the initial weights for the plain model, `on_step` runs the plain loop's step of the same index
 right after memtrain's (train() has measured its step by then). Reported per model, over the steps after `--warmup`:
 median tokens/s of each side, the ratio of medians, the median of the per-step paired ratios (which
 cancels load drifting between steps), the same paired ratio on process CPU seconds, MFU = 6 * params *
-tokens/s / peak with peak = memtrain.training.perf.matmul_peak_flops (fp32, at the torch thread count in use;
-the best of re-measurements at the start, between steps and after each model), and the step-1 and step-2
-losses of both sides (step 2 follows one clipped AdamW update, so it checks gradients, clipping and the
-optimizer too) with their relative difference (above 1e-4 fails the run). Target: paired ratio >= 0.95.
+tokens/s / peak, and the step-1 and step-2 losses of both sides (step 2 follows one clipped AdamW update, so it
+checks gradients, clipping and the optimizer too) with their relative difference (above LOSS_TOL fails the run:
+1e-4 in fp32, 1e-3 in bf16, whose 8-bit significands turn any difference in summation order into larger steps;
+measured on a CPU at ladder-1m, rows packing 2-3 documents: at most 6e-8 in fp32, 5e-6 in bf16; GPU kernels may
+differ more: unmeasured). Target: paired ratio >= 0.95.
+The peak: on CPU memtrain.training.perf.matmul_peak_flops in the run's dtype (at the torch thread count in use;
+the best of re-measurements at the start, between steps and after each model); on CUDA
+memtrain.training.perf.mfu_peak, the one the trainer's MFU uses (the GPU's dense bf16 datasheet peak, or a
+measured matmul for a GPU its table does not know), named in the output.
+Peak memory, on CUDA only: torch.cuda.max_memory_allocated over each side's steps, its counter reset before
+each (both models and optimizers stay resident throughout, so each side's peak holds the other's weights and
+AdamW state too), and the step's own part of it: that peak above what was allocated when the step began
+(activations, gradients, temporaries). On CPU these fields are None.
+
+Measured so far: the CPU figures only. Nothing of this has run on a GPU yet: CUDA times, MFU and memory, the
+fused AdamW, bf16 autocast on CUDA and SDPA's kernel choice under document attention's block-diagonal mask (not
+flash attention, which takes no arbitrary mask) are all unmeasured.
 
 On a shared, loaded machine absolute figures drift; the paired ratio is the figure to read. With more
 runnable processes than cores, multi-threaded steps stall at OpenMP barriers whenever one thread is
@@ -35,32 +58,44 @@ import os
 import statistics
 import tempfile
 import time
+from contextlib import nullcontext
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "disabled")
 
 import torch  # noqa: E402
 
+import parallel  # noqa: E402
 from experiments.bench.common import load_average, machine, paired_ratio, rel_diff, write_json  # noqa: E402
 from memtrain.config import RunConfig  # noqa: E402
 from memtrain.models import build_model  # noqa: E402
 from memtrain.training import build_schedule, train  # noqa: E402
-from memtrain.training.perf import matmul_peak_flops  # noqa: E402
+from memtrain.training.perf import Peak, matmul_peak_flops, mfu_peak  # noqa: E402
+from memtrain.training.step import adamw_kwargs  # noqa: E402
 
 TARGET = 0.95
-LOSS_TOL = 1e-4
+LOSS_TOL = {"fp32": 1e-4, "bf16": 1e-3}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+DEFAULTS = {"cpu": {"models": "ladder-10m,ladder-30m", "seq": 256, "precision": "fp32"},
+            "cuda": {"models": "llama-3.2-1b", "seq": 1024, "precision": "bf16"}}
+MB = 2**20
 
 
-def measure_peak(reps: int = 20) -> float:
-    """matmul_peak_flops, re-measured (uncached) and kept as the best seen in this process:
-    on a loaded machine one short measurement reads low, so it is also sampled between steps."""
-    global _PEAK
-    now = matmul_peak_flops.__wrapped__(torch.device("cpu"), torch.float32, 1024, reps)
-    _PEAK = max(_PEAK, now)
-    return _PEAK
+def measure_peak(dtype: torch.dtype, reps: int = 20) -> None:
+    """CPU: matmul_peak_flops, re-measured (uncached) and kept as the best seen in this process: on a loaded
+    machine one short measurement reads low, so it is also sampled between steps."""
+    now = matmul_peak_flops.__wrapped__(torch.device("cpu"), dtype, 1024, reps)
+    _PEAK[dtype] = max(_PEAK.get(dtype, 0.0), now)
 
 
-_PEAK = 0.0
+_PEAK: dict[torch.dtype, float] = {}
+
+
+def peak_of(args) -> Peak:
+    """MFU's denominator: on CPU the best matmul seen (measure_peak), on CUDA the trainer's (perf.mfu_peak)."""
+    if args.device == "cuda":
+        return mfu_peak(torch.device("cuda", torch.cuda.current_device()), DTYPES[args.precision])
+    return Peak(_PEAK[DTYPES[args.precision]], f"measured {args.precision} 1024^3 matmul on this CPU")
 
 
 def make_config(name: str, args, out_steps: int) -> RunConfig:
@@ -68,9 +103,11 @@ def make_config(name: str, args, out_steps: int) -> RunConfig:
     cfg.model.name = name
     cfg.train.batch_size = args.batch
     cfg.train.max_steps = out_steps
-    cfg.train.precision = "fp32"
+    cfg.train.precision = args.precision
     cfg.data.seq_len = args.seq
     cfg.data.max_docs = args.max_docs
+    if args.corpus:
+        cfg.data.corpus = args.corpus
     if args.cache_dir:
         cfg.data.cache_dir = args.cache_dir
     cfg.parallel.data = 1
@@ -79,13 +116,35 @@ def make_config(name: str, args, out_steps: int) -> RunConfig:
     return cfg
 
 
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":  # kernels run asynchronously: time the step, not its launch
+        torch.cuda.synchronize(device)
+
+
+def _memory_mark(device: torch.device) -> int | None:
+    """Start a side's memory window: reset CUDA's peak counter and return the bytes allocated now."""
+    if device.type != "cuda":
+        return None
+    torch.cuda.reset_peak_memory_stats(device)
+    return torch.cuda.memory_allocated(device)
+
+
+def _memory_read(device: torch.device, base: int | None) -> dict:
+    """The window's peak allocation and its part above `base`, in MiB (None on CPU)."""
+    if base is None:
+        return {"peak_mb": None, "step_mb": None}
+    peak = torch.cuda.max_memory_allocated(device)
+    return {"peak_mb": peak / MB, "step_mb": (peak - base) / MB}
+
+
 class PlainLoop:
     """The plain PyTorch loop on the HF model, with memtrain's initial weights and LR schedule."""
 
-    def __init__(self, cfg: RunConfig, stream, init_state: dict, total: int):
+    def __init__(self, cfg: RunConfig, stream, init_state: dict, total: int, device: torch.device):
         t = cfg.train
-        self.cfg, self.stream = cfg, stream
-        self.model = build_model(cfg.model.name, vocab_size=stream.vocab_size, device="cpu")
+        self.cfg, self.stream, self.device = cfg, stream, device
+        self.amp = torch.bfloat16 if t.precision == "bf16" else None
+        self.model = build_model(cfg.model.name, vocab_size=stream.vocab_size, device=device)
         missing, unexpected = self.model.load_state_dict(init_state, strict=False)
         tied = set(getattr(self.model, "_tied_weights_keys", None) or [])
         if unexpected or [k for k in missing if k not in tied]:
@@ -97,21 +156,27 @@ class PlainLoop:
         rest = [p for p in params if p.dim() < 2]
         self.opt = torch.optim.AdamW([{"params": decay, "weight_decay": t.weight_decay},
                                       {"params": rest, "weight_decay": 0.0}],
-                                     lr=t.lr, betas=(t.beta1, t.beta2), eps=1e-8)
+                                     lr=t.lr, betas=(t.beta1, t.beta2), eps=1e-8,
+                                     **adamw_kwargs(p.device.type for p in params))
         self.sched = build_schedule(self.opt, cfg, total)
         self.steps_per_epoch = len(stream) // t.batch_size
 
     def step(self, step: int) -> dict:
-        t = self.cfg.train
+        t, dev = self.cfg.train, self.device
+        _sync(dev)
         t0, c0 = time.perf_counter(), time.process_time()
         batch = self.stream.batch(step % self.steps_per_epoch, t.batch_size)
         self.opt.zero_grad(set_to_none=True)
-        labels = batch["labels"]
-        loss = self.model(batch["input_ids"], labels=labels, shift_labels=labels, use_cache=False).loss
+        labels = batch["labels"].to(dev)
+        pos = batch["position_ids"].to(dev) if "position_ids" in batch else None
+        with torch.autocast(dev.type, dtype=self.amp) if self.amp else nullcontext():
+            loss = self.model(batch["input_ids"].to(dev), labels=labels, shift_labels=labels, position_ids=pos,
+                              use_cache=False).loss
         loss.backward()
         norm = torch.nn.utils.clip_grad_norm_(self.params, t.grad_clip)
         self.opt.step()
         self.sched.step()
+        _sync(dev)
         dt, cpu = time.perf_counter() - t0, time.process_time() - c0
         return {"step": step + 1, "loss": loss.item(), "grad_norm": float(norm), "step_time_s": dt,
                 "tokens_per_s": labels.numel() / dt, "tokens_per_cpu_s": labels.numel() / cpu}
@@ -123,20 +188,27 @@ def run_model(name: str, args) -> dict:
     state: dict = {"mt": [], "plain": []}
 
     def on_setup(stream, plm):
+        device = next(plm.parameters()).device
         init = {k: v.detach().clone() for k, v in plm.full_state_dict().items()}
-        state["plain_loop"] = PlainLoop(cfg, stream, init, total)
-        state["params"] = plm.num_params()
+        state["plain_loop"] = PlainLoop(cfg, stream, init, total, device)
+        state["params"], state["device"] = plm.num_params(), device
         del init
         state["cpu_mark"] = time.process_time()
+        state["mem_base"] = _memory_mark(device)
 
     def on_step(record):
         # memtrain's CPU seconds: everything since the previous plain step ended (its step, plus
         # train()'s few lines of bookkeeping after it; step 1 also holds the optimizer's setup).
         cpu = time.process_time() - state["cpu_mark"]
-        state["mt"].append(dict(record, tokens_per_cpu_s=args.batch * args.seq / cpu))
-        state["plain"].append(state["plain_loop"].step(record["step"] - 1))
-        measure_peak(3)
+        device = state["device"]
+        state["mt"].append(dict(record, tokens_per_cpu_s=args.batch * args.seq / cpu,
+                                **_memory_read(device, state["mem_base"])))
+        base = _memory_mark(device)
+        state["plain"].append(dict(state["plain_loop"].step(record["step"] - 1), **_memory_read(device, base)))
+        if device.type == "cpu":
+            measure_peak(DTYPES[args.precision], 3)
         state["cpu_mark"] = time.process_time()
+        state["mem_base"] = _memory_mark(device)
         mt, pl = state["mt"][-1], state["plain"][-1]
         if args.verbose:
             print(f"  step {mt['step']:3d}  memtrain {mt['tokens_per_s']:8.0f} tok/s  "
@@ -151,11 +223,16 @@ def run_model(name: str, args) -> dict:
     pl_tps = [pl[i]["tokens_per_s"] for i in timed]
     paired = [a / b for a, b in zip(mt_tps, pl_tps)]
     cpu_paired = [mt[i]["tokens_per_cpu_s"] for i in timed], [pl[i]["tokens_per_cpu_s"] for i in timed]
-    measure_peak()
+    if args.device == "cpu":
+        measure_peak(DTYPES[args.precision])
     params = state["params"]
+
+    def most(side, key):
+        return max(side[i][key] for i in timed) if args.device == "cuda" else None
 
     res = {
         "model": name, "params": params, "tokens_per_step": args.batch * args.seq,
+        "device": args.device, "precision": args.precision,
         "memtrain_tok_s": statistics.median(mt_tps), "plain_tok_s": statistics.median(pl_tps),
         "paired_ratio": statistics.median(paired),
         "paired_ratio_min": min(paired), "paired_ratio_max": max(paired),
@@ -164,6 +241,8 @@ def run_model(name: str, args) -> dict:
         "loss2": (mt[1]["loss"], pl[1]["loss"]) if total > 1 else None,
         "loss2_rel": rel_diff(mt[1]["loss"], pl[1]["loss"]) if total > 1 else None,
         "gnorm1_rel": rel_diff(mt[0]["grad_norm"], pl[0]["grad_norm"]),
+        "memtrain_peak_mb": most(mt, "peak_mb"), "plain_peak_mb": most(pl, "peak_mb"),
+        "memtrain_step_mb": most(mt, "step_mb"), "plain_step_mb": most(pl, "step_mb"),
         "load_before": load_before, "load_after": load_average(),
         "memtrain_steps_tok_s": [r["tokens_per_s"] for r in mt], "plain_steps_tok_s": [r["tokens_per_s"] for r in pl],
     }
@@ -172,14 +251,18 @@ def run_model(name: str, args) -> dict:
 
 
 def print_table(results: list[dict], args) -> None:
-    peak = _PEAK
+    peak = peak_of(args)
     for r in results:
-        r["peak_flops"] = peak
-        r["memtrain_mfu"] = 6 * r["params"] * r["memtrain_tok_s"] / peak
-        r["plain_mfu"] = 6 * r["params"] * r["plain_tok_s"] / peak
-    print(f"\nbatch {args.batch} x seq {args.seq} = {args.batch * args.seq} tokens/step, fp32, "
-          f"{torch.get_num_threads()} torch threads, {args.steps} timed steps after {args.warmup} warm-up, "
-          f"interleaved A B A B; matmul peak {peak / 1e9:.1f} GFLOP/s; {machine()}")
+        r["peak_flops"], r["peak_source"] = peak.flops, peak.source
+        r["memtrain_mfu"] = 6 * r["params"] * r["memtrain_tok_s"] / peak.flops
+        r["plain_mfu"] = 6 * r["params"] * r["plain_tok_s"] / peak.flops
+    where = (f"{torch.get_num_threads()} torch threads" if args.device == "cpu"
+             else torch.cuda.get_device_name(torch.cuda.current_device()))
+    peak_line = (f"matmul peak {peak.flops / 1e9:.1f} GFLOP/s" if args.device == "cpu"
+                 else f"MFU peak {peak.flops / 1e12:.0f} TFLOP/s: {peak.source}")
+    print(f"\nbatch {args.batch} x seq {args.seq} = {args.batch * args.seq} tokens/step, {args.precision}, "
+          f"{where}, {args.steps} timed steps after {args.warmup} warm-up, "
+          f"interleaved A B A B; {peak_line}; {machine()}")
     head = (f"{'model':<11}{'params':>7}{'memtrain tok/s':>15}{'plain tok/s':>12}{'ratio':>7}{'paired':>7}"
             f"{'[min, max]':>13}{'cpu-time':>9}{'MFU mt':>8}{'MFU plain':>10}{'loss1 rel':>10}{'loss2 rel':>10}"
             f"{'gnorm rel':>10}  target")
@@ -197,34 +280,62 @@ def print_table(results: list[dict], args) -> None:
     for r in results:
         print(f"{r['model']}: step-1 loss memtrain {r['loss1'][0]:.6f} plain {r['loss1'][1]:.6f}; step-2 loss "
               f"{r['loss2'][0]:.6f} / {r['loss2'][1]:.6f}; load average {r['load_before']} -> {r['load_after']}")
+        if r["memtrain_peak_mb"] is not None:
+            print(f"{r['model']}: peak memory memtrain {r['memtrain_peak_mb']:.0f} MiB (its step "
+                  f"{r['memtrain_step_mb']:.0f}), plain {r['plain_peak_mb']:.0f} MiB (its step "
+                  f"{r['plain_step_mb']:.0f}); both models resident")
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--models", default="ladder-10m,ladder-30m")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu",
+                    help="default: cuda when torch sees a GPU, else cpu")
+    ap.add_argument("--precision", choices=tuple(DTYPES), default=None, help="default: fp32 on cpu, bf16 on cuda")
+    ap.add_argument("--models", default=None, help="default: ladder-10m,ladder-30m on cpu, llama-3.2-1b on cuda")
     ap.add_argument("--steps", type=int, default=10, help="timed steps per side (after the warm-up)")
     ap.add_argument("--warmup", type=int, default=2, help="first steps excluded from the timing")
     ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--seq", type=int, default=256)
+    ap.add_argument("--seq", type=int, default=None, help="default: 256 on cpu, 1024 on cuda")
     ap.add_argument("--max-docs", type=int, default=600, help="corpus documents (the stream must hold "
                     "batch * (warmup + steps) sequences)")
+    ap.add_argument("--corpus", default=None, help="memtrain data.corpus (default: memtrain's, stdlib)")
     ap.add_argument("--cache-dir", default=None, help="memtrain data cache (default: memtrain's)")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     ap.add_argument("--verbose", action="store_true", help="print every step")
     ap.add_argument("--json", default=None, help="write the results to this file")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    for key, value in DEFAULTS[args.device].items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    return args
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    args = parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("error: --device cuda but torch sees no CUDA GPU (torch.cuda.is_available() is False): run "
+                         "on a GPU machine with a CUDA build of torch, or use --device cpu")
+    if args.device == "cpu" and torch.cuda.is_available():
+        raise SystemExit("error: --device cpu but memtrain's trainer takes the GPU whenever torch sees one: hide it "
+                         "with CUDA_VISIBLE_DEVICES= to benchmark the CPU")
     if args.threads:
         torch.set_num_threads(args.threads)
-    measure_peak()
+    if args.device == "cpu":
+        measure_peak(DTYPES[args.precision])
     results = []
-    for name in args.models.split(","):
-        print(f"[{name}] {args.warmup} + {args.steps} steps ...", flush=True)
-        results.append(run_model(name.strip(), args))
+    try:
+        for name in args.models.split(","):
+            print(f"[{name}] {args.warmup} + {args.steps} steps ...", flush=True)
+            results.append(run_model(name.strip(), args))
+    finally:
+        parallel.shutdown()  # train() left its process group up for the next model
     print_table(results, args)
-    bad = [r["model"] for r in results if r["loss1_rel"] > LOSS_TOL or (r["loss2_rel"] or 0) > LOSS_TOL]
+    tol = LOSS_TOL[args.precision]
+    bad = [r["model"] for r in results if r["loss1_rel"] > tol or (r["loss2_rel"] or 0) > tol]
     write_json(args.json, {"results": results})
     if bad:
-        raise SystemExit(f"loss mismatch above {LOSS_TOL} for {', '.join(bad)}")
+        raise SystemExit(f"loss mismatch above {tol} ({args.precision}) for {', '.join(bad)}")
+    return results
 
 
 if __name__ == "__main__":

@@ -320,9 +320,11 @@ def load(path: Path, plm, opt=None) -> dict:
                     plm.load_hf_state_dict(src, strict=False)
             for p, t in held.items():
                 opt.state[p][moment] = t
+        on_device = opt.defaults.get("fused") or opt.defaults.get("capturable")  # their kernels read it there
         for p in params:
             if p in opt.state:
-                opt.state[p]["step"] = torch.tensor(float(state["step"]))
+                device = p.device if on_device else "cpu"
+                opt.state[p]["step"] = torch.tensor(float(state["step"]), dtype=torch.float32, device=device)
     return state
 
 

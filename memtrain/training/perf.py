@@ -1,15 +1,63 @@
-"""What this machine's matmuls achieve: the peak that is MFU's denominator, and whether bf16 beats fp32.
+"""MFU's denominator, and whether bf16 beats fp32 here.
 
-Both probe with their own random generator: a probe run after a resumed run restored the global RNG state
-must not change it.
+On a CUDA GPU the denominator is its dense bf16 tensor-core peak from NVIDIA's datasheet (`BF16_DATASHEET`),
+whatever precision the run uses: MFU then says how far a run is from what the GPU can do, and an fp32 run shows
+what it leaves. A GPU the table does not know, and every CPU, get a matmul measured on it instead
+(`matmul_peak_flops`, in the run's dtype). `mfu_peak` says which one it took.
+
+The measurements probe with their own random generator: a probe run after a resumed run restored the global
+RNG state must not change it.
 """
 
 from __future__ import annotations
 
 import functools
+import re
 import time
+from typing import NamedTuple
 
 import torch
+
+# Dense bf16 tensor-core peaks, TFLOP/s. NVIDIA's datasheets print the figure with sparsity (marked *), twice
+# these. Matched in order against torch.cuda.get_device_name: the H100 SXM reports "NVIDIA H100 80GB HBM3", the
+# PCIe card "NVIDIA H100 PCIe" (HBM2e memory). Left out on purpose: H100/H200 NVL, GH200 and every other GPU
+# (measured instead rather than guessed).
+BF16_DATASHEET: tuple[tuple[str, float, str], ...] = (
+    (r"\bH100\b(?!.*NVL).*(HBM3|SXM)", 989.0, "H100 SXM"),  # NVIDIA H100 Tensor Core GPU datasheet: 1,979* (SXM)
+    (r"\bH100\b(?!.*NVL).*(PCIe|HBM2e)", 756.0, "H100 PCIe"),  # NVIDIA H100 Tensor Core GPU datasheet: 1,513* (PCIe)
+    (r"^(NVIDIA )?H200(?!.*NVL)", 989.0, "H200 SXM"),  # NVIDIA H200 Tensor Core GPU datasheet: 1,979* (SXM)
+    (r"\bA100\b", 312.0, "A100"),  # NVIDIA A100 Tensor Core GPU datasheet: 312 / 624* (SXM and PCIe alike)
+    (r"\bL4\b", 121.0, "L4"),  # NVIDIA L4 Tensor Core GPU datasheet: 242*
+)
+
+
+class Peak(NamedTuple):
+    """FLOP/s that MFU divides by, and where the figure comes from (for run.json and benchmark tables)."""
+
+    flops: float
+    source: str
+
+
+def datasheet_peak(device_name: str) -> Peak | None:
+    """The dense bf16 datasheet peak of a GPU named as torch.cuda.get_device_name names it; None if unknown."""
+    for pattern, tflops, label in BF16_DATASHEET:
+        if re.search(pattern, device_name, re.IGNORECASE):
+            return Peak(tflops * 1e12, f"{label} dense bf16 datasheet peak ({device_name})")
+    return None
+
+
+def mfu_peak(device: torch.device, dtype: torch.dtype = torch.float32) -> Peak:
+    """MFU's denominator on `device` for a run computing its matmuls in `dtype` (module docstring)."""
+    if device.type == "cuda":
+        known = datasheet_peak(torch.cuda.get_device_name(device))
+        if known is not None:
+            return known
+        # n = 1024 is launch-bound on a large GPU (reads far below its peak); 8192 keeps the tensor cores busy
+        n, where = 8192, torch.cuda.get_device_name(device)
+    else:
+        n, where = 1024, "this CPU"
+    name = {torch.float32: "fp32", torch.bfloat16: "bf16"}.get(dtype, str(dtype))
+    return Peak(matmul_peak_flops(device, dtype, n), f"measured {name} {n}^3 matmul on {where}")
 
 
 @functools.cache

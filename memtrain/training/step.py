@@ -9,6 +9,7 @@ accumulation, data parallelism and Goldfish dropping therefore never change the 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from contextlib import nullcontext
 
 import torch
@@ -49,8 +50,9 @@ def peak_lr(cfg: RunConfig, hidden_size: int) -> float:
 
 def build_optimizer(plm, cfg: RunConfig, amp: torch.dtype | None = None) -> torch.optim.Optimizer:
     """AdamW over this rank's shards at `peak_lr`: matrices (every engine weight is a matrix shard) decay;
-    norms and biases do not. With train.optimizer_offload its state and fp32 master weights live in host memory
-    (offload.py), and under bf16 autocast (`amp`) the device keeps the parameters in bf16."""
+    norms and biases do not. Fused on CUDA (`adamw_kwargs`). With train.optimizer_offload its state and fp32 master
+    weights live in host memory (offload.py), and under bf16 autocast (`amp`) the device keeps the parameters in
+    bf16."""
     params = [p for p in parallel.unique_parameters(plm) if p.requires_grad]
     decay = [p for p in params if parallel.spec_of(p).shard_axes == ("x", "y", "z") or p.dim() >= 2]
     rest = [p for p in params if all(p is not q for q in decay)]
@@ -59,7 +61,14 @@ def build_optimizer(plm, cfg: RunConfig, amp: torch.dtype | None = None) -> torc
     lr, betas = peak_lr(cfg, plm.config.hidden_size), (t.beta1, t.beta2)
     if t.optimizer_offload:
         return OffloadAdamW(groups, lr=lr, betas=betas, eps=1e-8, param_dtype=amp)
-    return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=1e-8)
+    return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=1e-8, **adamw_kwargs(p.device.type for p in params))
+
+
+def adamw_kwargs(device_types: Iterable[str]) -> dict:
+    """torch.optim.AdamW's implementation for parameters on these device types: fused (the whole update in one
+    multi-tensor kernel, where foreach, torch's CUDA default, launches a chain of them) when all are on CUDA;
+    torch's default anywhere else, so a CPU run keeps its single-tensor update, bit for bit."""
+    return {"fused": True} if set(device_types) == {"cuda"} else {}
 
 
 def build_schedule(opt, cfg: RunConfig, total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:

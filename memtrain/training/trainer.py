@@ -33,7 +33,7 @@ from memtrain.losses import keep_mask
 from memtrain.models import build_model
 from memtrain.run_files import CONFIG, METRICS, PASSES, RUN, TOKENIZER
 from memtrain.training import checkpoint, run_dir
-from memtrain.training.perf import matmul_peak_flops
+from memtrain.training.perf import mfu_peak
 from memtrain.training.probe import pass_scores
 from memtrain.training.step import autocast_dtype, build_optimizer, build_schedule, peak_lr, train_step
 from memtrain.training.tracking import Tracker
@@ -183,6 +183,7 @@ def train(cfg: RunConfig, out_dir: str | Path, *, resume: bool = False, force: b
         if grid.rank == 0:
             for path in (metrics_path, passes_path):
                 _truncate_jsonl(path, start)
+    peak = mfu_peak(device, amp or torch.float32)
     if grid.rank == 0:
         trained = {"steps": total, "epochs": t.epochs, "steps_per_pass": steps_per_epoch}
         stream.write_manifest(out, B, grid.data if plm.mode == "sharded" else grid.world_size)
@@ -190,11 +191,11 @@ def train(cfg: RunConfig, out_dir: str | Path, *, resume: bool = False, force: b
             "stream_key": stream.key, "trained": trained, "grid": {a: getattr(grid, a) for a in parallel.AXES},
             "mode": plm.mode, "params": plm.num_params(), "hidden_size": plm.config.hidden_size,
             "lr": peak_lr(cfg, plm.config.hidden_size), "precision": "bf16" if amp else "fp32",
+            "mfu_peak": {"flop_s": peak.flops, "source": peak.source},
             "config": cfg.to_dict()}))  # what a resume checks config.toml against (run_dir.check_resume)
         with atomic_dir(out / TOKENIZER) as tmp:  # `memtrain export` then needs neither cache nor corpus
             stream.tokenizer.save_pretrained(tmp)
 
-    peak = matmul_peak_flops(device, amp or torch.float32)
     flops_per_token = 6 * plm.num_params()
     last: dict = {}
     rates: list[float] = []
@@ -231,13 +232,15 @@ def train(cfg: RunConfig, out_dir: str | Path, *, resume: bool = False, force: b
                                     position_ids=batch.get("position_ids"), amp=amp, overlap=p.overlap,
                                     grad_sync=p.grad_sync, grad_clip=t.grad_clip)
             sched.step()
+            if device.type == "cuda":  # kernels run asynchronously: time the step, not its launch
+                torch.cuda.synchronize(device)
             dt = time.perf_counter() - t0
             tokens = B * stream.seq_len
             record = {
                 "step": step + 1, "loss": sums.kept_mean(), "lr": lr,
                 "tokens": tokens * (step + 1), "tokens_per_s": tokens / dt, "step_time_s": dt,
                 "grad_norm": float(norm), "kept_fraction": sums.kept_fraction(), "loss_dropped": sums.dropped_mean(),
-                "mfu": flops_per_token * tokens / dt / (peak * grid.world_size), "memory_mb": _memory_mb(device),
+                "mfu": flops_per_token * tokens / dt / (peak.flops * grid.world_size), "memory_mb": _memory_mb(device),
                 "epoch": step // steps_per_epoch,
             }
             last = record

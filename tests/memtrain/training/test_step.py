@@ -1,13 +1,17 @@
-"""The step's ingredients: the learning-rate rule across widths, precision 'auto' (a probe, not a guess), and the
-gradient sync overlapped with backward (parallel.grad_sync) against the blocking one."""
+"""The step's ingredients: the learning-rate rule across widths, precision 'auto' (a probe, not a guess), AdamW's
+implementation per device, and the gradient sync overlapped with backward (parallel.grad_sync) against the blocking
+one."""
 
 import pytest
 import torch
 
+import parallel
 from memtrain.config import RunConfig
-from memtrain.training import autocast_dtype
+from memtrain.hf import parallelize
+from memtrain.training import autocast_dtype, build_optimizer
 from memtrain.training.perf import bf16_faster, matmul_peak_flops
-from memtrain.training.step import peak_lr
+from memtrain.training.step import adamw_kwargs, peak_lr
+from tests.memtrain._models import tiny
 
 
 def _cfg(**train):
@@ -39,6 +43,36 @@ def test_auto_precision_follows_the_probe_and_leaves_the_rng_alone():
     with pytest.raises(ValueError, match="train.precision='fp16'"):
         autocast_dtype(_cfg(precision="fp16"), cpu)
     assert isinstance(faster, bool)
+
+
+def test_adamw_is_fused_only_when_every_parameter_is_on_cuda():
+    assert adamw_kwargs(["cuda", "cuda"]) == {"fused": True}
+    for types in (["cpu"], ["cpu", "cuda"], ["meta"], []):
+        assert adamw_kwargs(types) == {}, types
+
+
+def test_cpu_optimizer_is_torch_default_adamw_bit_for_bit():
+    """On a CPU build_optimizer is still the AdamW it was before fused came in on CUDA (torch's default, the
+    single-tensor loop): the same gradients over 3 steps leave the same parameters and moments, bitwise."""
+    cfg = RunConfig()
+    cfg.train.lr, cfg.train.weight_decay = 1e-2, 0.1
+    ours, theirs = (parallelize(tiny("llama", "meta"), parallel.Grid(1, 1, 1, 1), seed=1, device="cpu")
+                    for _ in range(2))
+    twin = dict(zip(parallel.unique_parameters(ours), parallel.unique_parameters(theirs), strict=True))
+    opt = build_optimizer(ours, cfg)
+    assert (opt.defaults["fused"], opt.defaults["foreach"]) == (None, None)
+    ref = torch.optim.AdamW([{"params": [twin[p] for p in g["params"]], "weight_decay": g["weight_decay"]}
+                             for g in opt.param_groups], lr=opt.defaults["lr"], betas=opt.defaults["betas"], eps=1e-8)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        for p, q in twin.items():
+            p.grad = torch.randn(p.shape, generator=g)
+            q.grad = p.grad.clone()
+        opt.step()
+        ref.step()
+    for p, q in twin.items():
+        assert torch.equal(p, q)
+        assert all(torch.equal(opt.state[p][k], ref.state[q][k]) for k in ("exp_avg", "exp_avg_sq", "step"))
 
 
 # ------------------------------------------------------------------------------------------------------------

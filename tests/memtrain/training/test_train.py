@@ -38,6 +38,8 @@ def test_run_directory_has_everything(finished_run):
     for key in ("loss", "lr", "tokens", "tokens_per_s", "mfu", "memory_mb", "kept_fraction"):
         assert all(x[key] is not None for x in lines), key
     assert lines[-1]["loss"] < lines[0]["loss"]
+    peak = json.loads((finished_run / "run.json").read_text())["mfu_peak"]  # MFU's denominator, and its origin
+    assert peak["flop_s"] > 0 and peak["source"].startswith("measured ")
     result = json.loads((finished_run / "eval.json").read_text())
     for key in ("exact_match_rate", "token_match", "rougeL", "pythia_32_score", "exposure_mean", "mia_auc_loss",
                 "val_loss", "by_copies"):
