@@ -60,6 +60,23 @@ GRAD_SYNCS = ("overlap", "blocking")
 'blocking', grads.sync_gradients after it. Same sums up to the last bits."""
 
 
+def cut_buckets(entries, first_bucket_bytes: float, bucket_bytes: float) -> dict:
+    """The cut rule (shared with the planner, memtrain/plan/cost.py): `entries` are (group key, item, bytes) in
+    the order their gradients become final; each group's items are cut into buckets, one closed once it holds
+    `first_bucket_bytes` (the group's first) or `bucket_bytes` (the next ones). Returns key -> [[item, ...], ...]."""
+    groups: dict = {}
+    size: dict = {}
+    for key, item, nbytes in entries:
+        cuts = groups.setdefault(key, [[]])
+        cap = first_bucket_bytes if len(cuts) == 1 else bucket_bytes
+        if cuts[-1] and size[key] >= cap:
+            cuts.append([])
+            size[key] = 0
+        cuts[-1].append(item)
+        size[key] = size.get(key, 0) + nbytes
+    return groups
+
+
 class _Bucket:
     __slots__ = ("axes", "dtype", "index", "ready", "packed", "work", "buf")
 
@@ -85,18 +102,9 @@ class GradSync:
 
     def plan(self, order) -> None:
         """Cut the parameters, in `order` (indices into .params), into buckets; every rank must pass the same."""
-        groups: dict[tuple, list[list[int]]] = {}
-        size: dict[tuple, int] = {}
-        for i in order:
-            p = self.params[i]
-            key = (self.axes[i], p.dtype)
-            cuts = groups.setdefault(key, [[]])
-            cap = self.first_bucket_bytes if len(cuts) == 1 else self.bucket_bytes
-            if cuts[-1] and size[key] >= cap:
-                cuts.append([])
-                size[key] = 0
-            cuts[-1].append(i)
-            size[key] = size.get(key, 0) + p.numel() * p.element_size()
+        groups = cut_buckets((((self.axes[i], self.params[i].dtype), i,
+                               self.params[i].numel() * self.params[i].element_size()) for i in order),
+                             self.first_bucket_bytes, self.bucket_bytes)
         self.queues = {key: [_Bucket(*key, idx) for idx in cuts] for key, cuts in groups.items()}
         self.buckets = [b for q in self.queues.values() for b in q]
         self._bucket_of = [None] * len(self.params)

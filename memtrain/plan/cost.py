@@ -2,15 +2,16 @@
 
 memtrain's trainer (memtrain/training/step.py) runs, per optimizer step: for each micro-batch the forward and
 backward of the parallelized model (memtrain/hf decides which HF layer becomes which engine layer, in which
-mode), then `sync_gradients`, the global gradient norm of clipping, and one all-reduce of the step's loss
-sums. Every collective of that goes through parallel.comm and is recorded in parallel.LEDGER as a
+mode), the gradient sync (parallel.GradSync's buckets during the last backward by default, or one
+`sync_gradients` after it), the global gradient norm of clipping, and one all-reduce of the step's loss sums.
+Every collective of that goes through parallel.comm and is recorded in parallel.LEDGER as a
 `parallel.comm.Record` (op, axes label, group size, payload bytes). `step_records` predicts that multiset
 without running anything, one function per layer kind, each transcribing its layer's code path
-(parallel/linear.py, embedding.py, norm.py, grads.py), from the block list the architecture object gives
-(memtrain/hf/architectures.py) and the engine's own Grid; tests/memtrain/plan/test_cost.py compares it with the
-ledger record for record. With optimizer offload (train.optimizer_offload) the AdamW state leaves the device:
-`state_bytes(offload=True)`, `host_bytes` and `offload_traffic` give what stays, what the host holds and what
-crosses between them, tested against OffloadAdamW's own tensors (tests/memtrain/plan/test_offload.py).
+(parallel/linear.py, embedding.py, norm.py, grads.py, bucketed.py), from the block list the architecture object
+gives (memtrain/hf/architectures.py) and the engine's own Grid; tests/memtrain/plan/test_cost.py compares it
+with the ledger record for record. With optimizer offload (train.optimizer_offload) the AdamW state leaves the
+device: `state_bytes(offload=True)`, `host_bytes` and `offload_traffic` give what stays, what the host holds and
+what crosses between them, tested against OffloadAdamW's own tensors (tests/memtrain/plan/test_offload.py).
 
 Dtypes, as the code casts them (pb = parameter bytes, cb = matmul bytes: 2 under bf16 autocast):
 - weight all-gathers over Z of Linear and LM head: the matmul dtype when narrower, min(pb, cb) (the shard is
@@ -23,10 +24,13 @@ Dtypes, as the code casts them (pb = parameter bytes, cb = matmul bytes: 2 under
 
 from __future__ import annotations
 
+import math
 from collections import Counter
+from typing import NamedTuple
 
 from memtrain.hf.architectures import Matrix, Norm, Shape, architecture_of
-from parallel import AXES, Grid, padded_vocab
+from parallel import AXES, GRAD_SYNCS, Grid, padded_vocab
+from parallel.bucketed import BUCKET_BYTES, FIRST_BUCKET_BYTES, cut_buckets
 from parallel.comm import Record
 
 FP32, INT64 = 4, 8
@@ -173,38 +177,87 @@ def norm(log: Log, n: Norm, mode: str, t: int, fwd: int, bwd: int) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------
-# Parameters per rank: what sync_gradients buckets, what the optimizer holds.
+# Parameters per rank: what the gradient sync sends, what the optimizer holds.
+
+_BLOCK_ORDER = {  # a block's parts in module registration order (HF's __init__), then in forward order (its forward)
+    "llama": (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+               "mlp.up_proj", "mlp.down_proj", "input_layernorm", "post_attention_layernorm"),
+              ("input_layernorm", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+               "post_attention_layernorm", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")),
+    "gpt_neox": (("input_layernorm", "post_attention_layernorm", "attention.query_key_value", "attention.dense",
+                  "mlp.dense_h_to_4h", "mlp.dense_4h_to_h"),
+                 ("input_layernorm", "attention.query_key_value", "attention.dense", "post_attention_layernorm",
+                  "mlp.dense_h_to_4h", "mlp.dense_4h_to_h")),
+    "gpt2": (("ln_1", "attn.c_attn", "attn.c_proj", "ln_2", "mlp.c_fc", "mlp.c_proj"),) * 2,
+}
 
 
-def parameters(shape: Shape, grid: Grid, mode: str) -> list[tuple[int, tuple[str, ...]]]:
-    """(values on this rank, gradient reduce axes) of every distinct parameter (parallel.sharding tags)."""
+class Param(NamedTuple):
+    """A distinct parameter on this rank."""
+
+    numel: int
+    reduce_axes: tuple[str, ...]
+    """The axes its gradient is summed over (parallel.sharding tags; HF's untagged parameters: every axis).
+    ("data",): a Z-sharded weight, whose gradient its reduce-scatter has summed over Z already."""
+
+
+def ordered_parameters(shape: Shape, grid: Grid, mode: str) -> tuple[list[Param], list[int]]:
+    """Every distinct parameter in registration order, as unique_parameters lists them, and the order (indices
+    into that list) in which one backward makes their gradients final.
+
+    That order follows autograd's: one thread runs the graph's nodes latest-created first and a parameter's
+    accumulation as soon as its last consumer, its first use in forward, has run. So: the reverse of the forward
+    order of first uses, within a layer too (y = x W^T, then + b: the bias first), except HF's LayerNorm (easy
+    mode): one op feeds both, and autograd runs their accumulations in its input order, weight then bias. A tied
+    table is first used by the embedding: last."""
     g, vocab, h = grid, vocab_rows(shape, grid), shape.hidden
-    out = []
-    table = (vocab // g.y * (h // g.x) // g.z, ("data",))
-    out += [table] * (1 if shape.tied else 2)  # embedding, LM head
-    for _ in range(shape.layers):
-        for m in shape.block:
-            if isinstance(m, Matrix):
-                a, b = feature_axes(m, mode)
-                out.append((m.rows // g.size(b) * (m.cols // g.size(a)) // g.z, ("data",)))
-                if m.bias:
-                    out.append((m.rows // g.size(b), ("z", "data") if mode == "sharded" else (a, "z", "data")))
-    norms = [n for n in shape.block if isinstance(n, Norm)] * shape.layers + [shape.final_norm]
     local, reduce = (h // g.x, ("z", "data")) if mode == "sharded" else (h, AXES)  # easy: HF's, untagged
-    for n in norms:
-        out += [(local, reduce)] * (2 if n.bias else 1)
-    if shape.positions:
-        out.append((shape.positions * local, reduce))
-    return out
+    params: list[Param] = []
+
+    def add(*entries) -> list[int]:
+        params.extend(entries)
+        return list(range(len(params) - len(entries), len(params)))
+
+    def part(p) -> list[int]:
+        """A module's parameters, registered (weight, bias); returned in the order backward finishes them."""
+        if isinstance(p, Matrix):
+            a, b = feature_axes(p, mode)
+            bias = Param(p.rows // g.size(b), ("z", "data") if mode == "sharded" else (a, "z", "data"))
+            return add(Param(p.rows // g.size(b) * (p.cols // g.size(a)) // g.z, ("data",)),
+                       *([bias] if p.bias else []))[::-1]
+        idx = add(*[Param(local, reduce)] * (2 if p.bias else 1))
+        return idx if mode == "easy" else idx[::-1]
+
+    registered, forward = _BLOCK_ORDER[shape.family]
+    by_name = {p.name: p for p in shape.block}
+    if sorted(registered) != sorted(by_name) or sorted(forward) != sorted(by_name):
+        raise ValueError(f"{shape.family}: the block order the planner knows does not name its block's parts")
+    table = Param(vocab // g.y * (h // g.x) // g.z, ("data",))
+    embedding = add(table)
+    positions = add(Param(shape.positions * local, reduce)) if shape.positions else []
+    blocks = []
+    for _ in range(shape.layers):
+        done = {name: part(by_name[name]) for name in registered}
+        blocks.append([i for name in reversed(forward) for i in done[name]])
+    final = part(shape.final_norm)
+    head = [] if shape.tied else add(table)
+    return params, head + final + [i for b in reversed(blocks) for i in b] + positions + embedding
+
+
+def parameters(shape: Shape, grid: Grid, mode: str) -> list[Param]:
+    """Every distinct parameter on this rank, in registration order."""
+    return ordered_parameters(shape, grid, mode)[0]
 
 
 def step_records(shape: Shape, grid: Grid, mode: str, batch: int, seq: int, micro: int | None = None, *,
-                 precision: str = "fp32", param_bytes: int = 4, checkpointing: bool = False) -> Counter:
+                 precision: str = "fp32", param_bytes: int = 4, checkpointing: bool = False, **sync) -> Counter:
     """The ledger of one optimizer step of memtrain's trainer, record for record.
 
     micro: sequences per rank per forward/backward (None: all of the rank's rows, the trainer's default).
     checkpointing: each block's forward runs again in backward (HF-style per-block recomputation), so its
         forward collectives count twice (train.activation_checkpointing).
+    sync: how the gradients are synced, `gradient_buckets`' keywords (default: the trainer's overlapped sync on
+        any step but a run's first).
     """
     pb, cb = param_bytes, (2 if precision == "bf16" else param_bytes)
     split = rows_split(grid, mode)
@@ -222,21 +275,44 @@ def step_records(shape: Shape, grid: Grid, mode: str, batch: int, seq: int, micr
             norm(log, part, mode, t, n_micro * L * redo, n_micro * L)
     norm(log, shape.final_norm, mode, t, n_micro, n_micro)
     lm_head(log, shape, vocab, mode, t, pb, cb, n_micro, n_micro)
-    log.records.update(gradient_records(shape, grid, mode, pb))
+    log.records.update(gradient_records(shape, grid, mode, pb, **sync))
     log.add("all_reduce", AXES, 8)  # grad_norm: one float64 over the world (clipping or not)
     log.add("all_reduce", AXES if mode == "easy" else ("z", "data"), 4 * 8)  # the step's loss sums (float64)
     return log.records
 
 
-def gradient_records(shape: Shape, grid: Grid, mode: str, param_bytes: int = 4) -> Counter:
-    """The gradient sync of `step_records`: one flat all-reduce per distinct set of live reduce axes (grads.py;
-    the overlapped bucketed sync moves the same bytes)."""
-    log, buckets = Log(grid), Counter()
-    for numel, axes in parameters(shape, grid, mode):
-        buckets[grid.label(axes)] += numel
-    for lab, numel in buckets.items():
-        if lab != "none":
-            log.add("all_reduce", tuple(lab.split("+")), numel * param_bytes)
+def gradient_buckets(shape: Shape, grid: Grid, mode: str, param_bytes: int = 4, *, grad_sync: str = "overlap",
+                     first_step: bool = False, first_bucket_bytes: int = FIRST_BUCKET_BYTES,
+                     bucket_bytes: int = BUCKET_BYTES) -> dict[tuple[str, ...], list[int]]:
+    """Payload bytes of each gradient all-reduce, in launch order, per group of parameters (their live reduce axes;
+    one dtype: the parameters').
+
+    grad_sync "blocking" (grads.sync_gradients): one flat message per group. "overlap" (the trainer's default,
+    parallel.GradSync): each group cut into buckets, a bucket closed once it holds `first_bucket_bytes` (the
+    group's first) or `bucket_bytes` (the next ones), over the parameters in the order their gradients are
+    expected to become final. On the step that builds the GradSync (`first_step`, the first of a run) that is
+    the reverse registration order; from the next one on, the order the first step's backward made them final
+    (`ordered_parameters`). Those whose gradient was not final then go last in reverse registration order: with
+    z > 1 under ORS (train_step's `overlap`), every Z-sharded weight, a group of its own (reduce axes "data")
+    whose backward order is its reverse registration order already: the same buckets. Always the same bytes."""
+    if grad_sync not in GRAD_SYNCS:
+        raise ValueError(f"grad_sync={grad_sync!r} is invalid: use one of {', '.join(map(repr, GRAD_SYNCS))}")
+    params, ready = ordered_parameters(shape, grid, mode)
+    order = range(len(params) - 1, -1, -1) if first_step else ready
+    caps = (first_bucket_bytes, bucket_bytes) if grad_sync == "overlap" else (math.inf, math.inf)
+    entries = ((live, i, params[i].numel * param_bytes) for i in order
+               if (live := tuple(a for a in params[i].reduce_axes if grid.size(a) > 1)))  # none: not synced
+    return {axes: [sum(params[i].numel * param_bytes for i in b) for b in buckets]
+            for axes, buckets in cut_buckets(entries, *caps).items()}
+
+
+def gradient_records(shape: Shape, grid: Grid, mode: str, param_bytes: int = 4, **sync) -> Counter:
+    """The gradient sync of `step_records`: one all-reduce per bucket of `gradient_buckets` (its keywords: the
+    trainer's default, the overlapped sync, unless grad_sync="blocking")."""
+    log = Log(grid)
+    for axes, buckets in gradient_buckets(shape, grid, mode, param_bytes, **sync).items():
+        for nbytes in buckets:
+            log.add("all_reduce", axes, nbytes)
     return log.records
 
 
@@ -249,7 +325,7 @@ def state_bytes(shape: Shape, grid: Grid, mode: str, param_bytes: int = 4, offlo
     parameter dtype plus one fp32 `step` scalar per parameter tensor. With optimizer offload
     (memtrain/training/offload.py) the optimizer holds nothing on the device (see `host_bytes`)."""
     params = parameters(shape, grid, mode)
-    n = sum(v for v, _ in params) * param_bytes
+    n = sum(p.numel for p in params) * param_bytes
     return {"params": n, "grads": n, "optimizer": 0 if offload else 2 * n + FP32 * len(params)}
 
 
@@ -257,7 +333,7 @@ def host_bytes(shape: Shape, grid: Grid, mode: str, param_bytes: int = 4) -> dic
     """Host bytes of an offloaded optimizer (OffloadAdamW): fp32 master weights, fp32 exp_avg and exp_avg_sq, a
     `step` scalar per parameter tensor, and a staging buffer per gradient in the device's parameter dtype."""
     params = parameters(shape, grid, mode)
-    n = sum(v for v, _ in params)
+    n = sum(p.numel for p in params)
     return {"masters": FP32 * n, "moments": 2 * FP32 * n, "steps": FP32 * len(params), "grads": n * param_bytes}
 
 
@@ -267,7 +343,7 @@ def offload_traffic(shape: Shape, grid: Grid, mode: str, param_bytes: int = 4, h
     are CPUs: host memory is device memory."""
     if host_is_device:
         return 0
-    return 2 * param_bytes * sum(v for v, _ in parameters(shape, grid, mode))
+    return 2 * param_bytes * sum(p.numel for p in parameters(shape, grid, mode))
 
 
 def activation_bytes(shape: Shape, grid: Grid, mode: str, tokens: int, *, precision: str = "fp32",

@@ -13,7 +13,9 @@ running the code itself, as one representative rank of the real world size would
 - One optimizer step of the trainer's own `memtrain.training.train_step` (micro-batches under
   parallel.overlap, autocast, activation checkpointing, gradient sync, clipping, AdamW, the loss all-reduce)
   runs on the fake tensors; every collective goes through parallel.comm as in a real run and lands in
-  parallel.LEDGER. Nothing in the engine or the trainer knows it is a dry run.
+  parallel.LEDGER. Nothing in the engine or the trainer knows it is a dry run. The gradient sync is the
+  trainer's default unless told: parallel.GradSync's buckets, launched during the last backward.
+- fake.py holds the fake tensors and the saved-tensor measurement below.
 
 Fake tensors hold no values, so the few values the step reads are supplied: a scalar read (`.item()`,
 `float()`, a Python `if` on a tensor) gives 1 (AdamW's step count after the first step, a gradient norm that
@@ -22,7 +24,8 @@ local scatters). None of these decides which collective runs or how many bytes i
 
 Reported, each beside the planner's figure:
 - the ledger of the step, record for record (op, axes, group size, payload bytes; cost.step_records), and
-  its totals per (op, axes): exact, so any difference fails;
+  its totals per (op, axes): exact, so any difference fails. The gradient all-reduces are among them, one
+  record per bucket (cost.gradient_buckets: as many messages, each of the same bytes, as GradSync cuts);
 - per-rank parameter, gradient and AdamW bytes from the local shards and the optimizer's state after the
   step (cost.state_bytes): exact;
 - activation bytes of one micro-batch, from saved-tensor hooks installed around the step's first micro-batch:
@@ -42,15 +45,15 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 
 import torch
-from torch import nn
 
 import parallel
+from memtrain.config import ParallelConfig, RunConfig
 from memtrain.plan import cost
-from memtrain.plan.network import GB, Network
+from memtrain.plan.fake import DryMode, SavedTensors, to_fake
+from memtrain.plan.network import Network
 from memtrain.plan.search import PlanConfig, load_config, plan, resolve_mode
 from parallel.comm import Record, totals
 
-aten = torch.ops.aten
 MEMORY_KEYS = ("params", "grads", "optimizer")
 
 
@@ -91,6 +94,8 @@ class DryRun:
     """The ledger of the step: Record -> times issued."""
     predicted: Counter = field(repr=False)
     """cost.step_records."""
+    gradients: dict[str, list[int]]
+    """cost.gradient_buckets by axes label: the gradient all-reduces among `predicted`, bytes in launch order."""
     memory: list[Check] = field(default_factory=list)
     activations: dict = field(default_factory=dict)
     """The saved-tensor measurement's parts (bytes)."""
@@ -126,173 +131,13 @@ class DryRun:
 
 
 # ---------------------------------------------------------------------------------------------------
-# Fake tensors that read as the step needs.
-
-
-class _DryMode(torch._subclasses.fake_tensor.FakeTensorMode):
-    """FakeTensorMode whose data-dependent reads return fixed values (see the module docstring)."""
-
-    def __init__(self):
-        super().__init__(allow_non_fake_inputs=True)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is aten._local_scalar_dense.default:
-            t = args[0]
-            return True if t.dtype == torch.bool else 1.0 if t.dtype.is_floating_point else 1
-        if func is aten.nonzero.default:
-            t = args[0]
-            return super().__torch_dispatch__(aten.empty.memory_format, types, ([t.numel(), t.dim()],),
-                                              {"dtype": torch.long, "device": t.device})
-        return super().__torch_dispatch__(func, types, args, kwargs)
-
-
-def _to_fake(module: nn.Module, mode: _DryMode) -> None:
-    """Every meta parameter and buffer becomes a fake CPU tensor of its shape and dtype, in place: tied
-    parameters stay one, ShardSpec tags and the other attributes of a parameter are kept."""
-    done: dict[int, torch.Tensor] = {}
-    with mode:
-        for m in module.modules():
-            for table in (m._parameters, m._buffers):
-                for name, t in list(table.items()):
-                    if t is None or t.device.type != "meta":
-                        continue
-                    if id(t) not in done:
-                        new = torch.empty(t.shape, dtype=t.dtype, device="cpu")
-                        if isinstance(t, nn.Parameter):
-                            new = nn.Parameter(new, requires_grad=t.requires_grad)
-                            new.__dict__.update(t.__dict__)
-                        done[id(t)] = new
-                    table[name] = done[id(t)]
-
-
-# ---------------------------------------------------------------------------------------------------
-# Activation bytes: what autograd saves for backward.
-
-
-def _storage(t: torch.Tensor) -> tuple[int, int]:
-    st = t.untyped_storage()
-    return st._cdata, st.nbytes()
-
-
-def _blocks(model: nn.Module) -> list[nn.Module]:
-    """The transformer blocks: the layers transformers checkpoints one by one."""
-    from transformers.modeling_layers import GradientCheckpointingLayer
-
-    return [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
-
-
-class _SavedTensors:
-    """Distinct storages autograd saves in the first micro-batch's forward of a step (parameters and buffers
-    excluded), attributed to the block running, and each block's input.
-
-    Installed around the trainer's own step: the hooks return the tensor itself, so nothing changes. Inside a
-    checkpointed block torch's own hooks take precedence, so with recomputation the blocks' saved tensors are
-    measured after the step, by running one block of each kind again with its recorded inputs (`block_saved`)."""
-
-    def __init__(self, plm):
-        self.plm = plm
-        self.exclude = {_storage(t)[0] for t in [*plm.parameters(), *plm.buffers()]}
-        self.bytes: dict[int, int] = {}
-        self.block_of: dict[int, int | None] = {}
-        self.keep: list = []  # saved tensors stay alive (their storage keys unique) until the measurement ends
-        self.inputs: dict[int, tuple[int, int]] = {}  # block -> (storage, bytes) of its input
-        self.calls: dict[tuple, tuple] = {}  # block kind -> (block, args, kwargs) of its first call
-        self.block: int | None = None
-        self.micro = -1
-        self.blocks = _blocks(plm.model)
-        self._hooks = []
-
-    def install(self) -> None:
-        self._hooks.append(self.plm.model.base_model.register_forward_pre_hook(self._forward))
-        for i, b in enumerate(self.blocks):
-            self._hooks.append(b.register_forward_pre_hook(
-                lambda mod, args, kwargs, i=i: self._enter(i, mod, args, kwargs), with_kwargs=True))
-            self._hooks.append(b.register_forward_hook(lambda *a: self._leave()))
-
-    def remove(self) -> None:
-        for h in self._hooks:
-            h.remove()
-        self._hooks = []
-
-    def hooks(self):
-        return torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t)
-
-    def _forward(self, *a) -> None:
-        self.micro += 1
-
-    def _enter(self, i: int, mod: nn.Module, args, kwargs) -> None:
-        if self.micro:
-            return
-        self.block = i
-        hidden = args[0] if args else kwargs["hidden_states"]
-        self.inputs.setdefault(i, _storage(hidden))
-        self.keep.append(hidden)
-        kind = (type(mod), tuple((n, tuple(p.shape), p.dtype) for n, p in mod.named_parameters()))
-        self.calls.setdefault(kind, (mod, args, kwargs))
-
-    def _leave(self) -> None:
-        self.block = None
-
-    def pack(self, t: torch.Tensor) -> torch.Tensor:
-        if self.micro == 0:
-            key, nbytes = _storage(t)
-            if key not in self.exclude and key not in self.bytes:
-                self.bytes[key], self.block_of[key] = nbytes, self.block
-                self.keep.append(t)
-        return t
-
-    def block_saved(self, amp) -> int:
-        """The most bytes one block saves: each kind of block run again on its recorded inputs, recomputation
-        off (as in its recomputation), ledger paused."""
-        largest = 0
-        enabled, parallel.LEDGER.enabled = parallel.LEDGER.enabled, False
-        try:
-            for mod, args, kwargs in self.calls.values():
-                rec = _SavedTensors.__new__(_SavedTensors)
-                rec.exclude, rec.bytes, rec.block_of, rec.keep, rec.block, rec.micro = self.exclude, {}, {}, [], 0, 0
-                flag, mod.gradient_checkpointing = getattr(mod, "gradient_checkpointing", False), False
-                ac = torch.autocast("cpu", dtype=amp) if amp else contextlib.nullcontext()
-                try:
-                    with torch.enable_grad(), rec.hooks(), ac:
-                        out = mod(*args, **kwargs)
-                    del out
-                finally:
-                    mod.gradient_checkpointing = flag
-                largest = max(largest, sum(rec.bytes.values()))
-        finally:
-            parallel.LEDGER.enabled = enabled
-        return largest
-
-    def summary(self, checkpointing: bool, amp) -> dict:
-        """Bytes autograd keeps for one micro-batch at its peak: at the end of the forward, or with recomputation
-        during the backward of a block (saved outside the blocks + every block's input + one block's own)."""
-        per_block: Counter = Counter()
-        outside = 0
-        for key, n in self.bytes.items():
-            if self.block_of[key] is None:
-                outside += n
-            else:
-                per_block[self.block_of[key]] += n
-        inputs = {key: n for key, n in self.inputs.values()}
-        held_inputs = sum(n for key, n in inputs.items() if self.block_of.get(key, -1) is not None)
-        out = {"saved_outside_blocks": outside, "blocks": len(self.inputs), "block_inputs": held_inputs}
-        if checkpointing:
-            out["largest_block"] = self.block_saved(amp)
-            out["total"] = outside + held_inputs + out["largest_block"]
-        else:
-            out["largest_block"] = max(per_block.values(), default=0)
-            out["total"] = sum(self.bytes.values())
-        return out
-
-
-# ---------------------------------------------------------------------------------------------------
 # The run.
 
 
-MODELLED_GRAD_SYNC = "blocking"
-"""The gradient sync the dry run validates by default: the one cost.step_records transcribes (sync_gradients, one
-flat all-reduce per set of reduce axes). The trainer's default, the overlapped sync, moves the same bytes in
-buckets the planner does not cut."""
+MODELLED_GRAD_SYNC = ParallelConfig.grad_sync
+"""The gradient sync the dry run runs unless told: the trainer's default (parallel.grad_sync), whose buckets
+cost.gradient_buckets cuts as parallel.GradSync does; "blocking" (one flat all-reduce per set of reduce axes) is
+modelled too."""
 
 
 def _checked(cfg: PlanConfig, grid: tuple[int, ...]):
@@ -323,12 +168,11 @@ def dry_run(cfg: PlanConfig, grid: tuple[int, int, int, int], *, rank: int = 0, 
             grad_sync: str | None = None, steps: int = 1) -> DryRun:
     """One optimizer step of `cfg` on `grid` (data, x, y, z) as rank `rank` of a fake world; see the module
     docstring. cfg.micro_batch must be set (choose_micro); grad_sync None is MODELLED_GRAD_SYNC. `steps` > 1
-    runs that many steps and measures the last (bucket orders observed in a first step take effect from the
-    second)."""
+    runs that many steps and measures the last: the overlapped sync cuts its buckets in reverse registration
+    order on the first step, then in the order the first backward made the gradients final (predicted as such)."""
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from memtrain.config import RunConfig
     from memtrain.hf import parallelize
     from memtrain.models import build_model
     from memtrain.training import build_optimizer, train_step
@@ -359,14 +203,14 @@ def dry_run(cfg: PlanConfig, grid: tuple[int, int, int, int], *, rank: int = 0, 
         if cfg.activation_checkpointing:
             plm.enable_activation_checkpointing()
         plm.train()
-        fake = _DryMode()
-        _to_fake(plm, fake)
+        fake = DryMode()
+        to_fake(plm, fake)
         seconds["model"] = time.perf_counter() - t
         with fake:
             opt = build_optimizer(plm, RunConfig())
             ids = torch.zeros(cfg.batch, cfg.seq, dtype=torch.long)
             keep = torch.ones(cfg.batch, cfg.seq, dtype=torch.bool)
-            saved = _SavedTensors(plm)
+            saved = SavedTensors(plm)
             t = time.perf_counter()
             for i in range(steps):
                 parallel.LEDGER.reset()
@@ -393,8 +237,10 @@ def dry_run(cfg: PlanConfig, grid: tuple[int, int, int, int], *, rank: int = 0, 
         parallel.shutdown()
     g = parallel.Grid(*grid, rank=rank)
     kw = dict(precision=cfg.precision, param_bytes=cfg.param_bytes)
+    sync = dict(grad_sync=step_kw["grad_sync"], first_step=steps == 1)
     predicted = cost.step_records(shape, g, mode, cfg.batch, cfg.seq, cfg.micro_batch,
-                                  checkpointing=cfg.activation_checkpointing, **kw)
+                                  checkpointing=cfg.activation_checkpointing, **kw, **sync)
+    buckets = cost.gradient_buckets(shape, g, mode, cfg.param_bytes, **sync)
     want = cost.state_bytes(shape, g, mode, cfg.param_bytes)
     memory = [Check(k, want[k], got[k]) for k in MEMORY_KEYS]
     est = cost.activation_bytes(shape, g, mode, cfg.micro_batch * cfg.seq,
@@ -404,19 +250,16 @@ def dry_run(cfg: PlanConfig, grid: tuple[int, int, int, int], *, rank: int = 0, 
     local = cfg.batch // cost.rows_split(g, mode)
     return DryRun(cfg.model, tuple(grid), rank, mode, cfg.batch, cfg.seq, cfg.micro_batch, local // cfg.micro_batch,
                   cfg.precision, cfg.activation_checkpointing, {"overlap": overlap, **step_kw, "steps": steps},
-                  measured, predicted, memory, act, seconds)
+                  measured, predicted, {g.label(a): b for a, b in buckets.items()}, memory, act, seconds)
 
 
 # ---------------------------------------------------------------------------------------------------
 # Output.
 
 
-def _gb(n: float) -> str:
-    return f"{n / GB:.4g}"
-
-
 def table(run: DryRun) -> str:
-    """The comparison: per-rank bytes, then per (op, axes) count and payload bytes; planner, dry run, check."""
+    """The comparison: per-rank bytes, then per (op, axes) count and payload bytes; planner, dry run, check. Last,
+    the planner's gradient all-reduces per group (checked with every other record)."""
     head = f"{'':<34} {'planner':>16} {'dry run':>16}  check"
     lines = ["per-rank memory (bytes)", head]
     for c in run.memory:
@@ -436,6 +279,12 @@ def table(run: DryRun) -> str:
     else:
         lines.append(f"records: all {n:,} equal to the planner's, record for record "
                      f"({len(run.measured)} distinct)")
+    cut = "one per group" if run.options["grad_sync"] == "blocking" else (
+        "buckets in reverse registration order: a first step" if run.options["steps"] == 1 else
+        "buckets in the first backward's gradient order")
+    lines.append(f"the planner's gradient all-reduces among them (grad_sync={run.options['grad_sync']}, {cut}):")
+    for axes, b in run.gradients.items():
+        lines.append(f"  {axes:<14} {len(b):>6} all-reduce{'s' if len(b) > 1 else ' '} {sum(b):>16,} bytes")
     return "\n".join(lines)
 
 
@@ -459,6 +308,7 @@ def to_json(run: DryRun) -> dict:
         "memory": [dict(asdict(c), ok=c.ok, ratio=c.ratio) for c in run.memory],
         "activations": run.activations,
         "collectives": [dict(asdict(c), ok=c.ok) for c in run.collectives()],
+        "gradient_buckets": run.gradients,
         "records": {"measured": [rec(r, n) for r, n in run.measured.items()],
                     "issued_not_predicted": [rec(r, n) for r, n in extra.items()],
                     "predicted_not_issued": [rec(r, n) for r, n in missing.items()]},

@@ -1,11 +1,15 @@
 """The planner's cost model against what the engine really does.
 
 - Bytes: one optimizer step of memtrain's trainer (memtrain.training.train_step itself: micro-batches under
-  parallel.overlap, loss sums, sync_gradients, clip_grad_norm_, AdamW, the loss all-reduce) on 8 forked gloo
-  ranks records parallel.LEDGER; cost.step_records must predict that multiset of records (op, axes label,
-  group size, payload bytes) exactly, for the tiny Llama of tests/memtrain/_models.py on every 8-rank grid in
-  easy and sharded mode, plus bf16 autocast, tied embeddings, GPT-NeoX and GPT-2 (padded vocabulary) on some
-  grids. Integers: compared exactly. (Overlap moves when bytes move, never how many: tests/parallel/test_ledger.py.)
+  parallel.overlap, loss sums, the overlapped gradient sync (parallel.GradSync), clip_grad_norm_, AdamW, the loss
+  all-reduce) on 8 forked gloo ranks records parallel.LEDGER; cost.step_records must predict that multiset of
+  records (op, axes label, group size, payload bytes) exactly, for the tiny Llama of tests/memtrain/_models.py
+  on every 8-rank grid in easy and sharded mode, plus bf16 autocast, tied embeddings, GPT-NeoX and GPT-2 (padded
+  vocabulary) on some grids. Integers: compared exactly. (Overlap moves when bytes move, never how many:
+  tests/parallel/test_ledger.py.) At GradSync's own sizes each tiny model's group is one bucket; with buckets of
+  256 B / 1 KiB, two steps on three grids: the first step's buckets (reverse registration order) and the second's
+  (re-cut in the order the first backward made gradients final, which cuts other buckets there) equal
+  cost.gradient_buckets', message for message. Planner only: the cut is GradSync.plan's on every grid.
   The bf16 cases with z > 1 pin the Z weight all-gathers of Linear and LM head in bf16 (the embedding's and
   every reduce-scatter stay fp32), also with a tied head and with activation checkpointing, whose recomputed
   forward gathers again under the replayed autocast (the OAG prefetcher must gather each in the dtype taken).
@@ -29,9 +33,11 @@ from memtrain.hf import parallelize
 from memtrain.plan import cost, network
 from memtrain.training import build_optimizer, train_step
 from parallel import Grid
+from parallel.bucketed import GradSync
 from parallel.comm import Record, totals
 from parallel.forked import run_ranks
-from tests._helpers import GRIDS, GridCache, grid_id, once_per_session
+from parallel.sharding import tag
+from tests._helpers import GRIDS, MODES, GridCache, grid_id, once_per_session
 from tests.memtrain.plan._helpers import B, S, micro_batch, step_model
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -45,6 +51,9 @@ CASES = [(g, "llama", m, "fp32", ()) for g in GRIDS for m in ("sharded", "easy")
     ((1, 2, 2, 2), "neox", "sharded", "fp32", ()), ((2, 2, 1, 2), "neox", "easy", "fp32", ()),
     ((1, 1, 8, 1), "gpt2", "sharded", "fp32", ()), ((2, 2, 2, 1), "gpt2", "easy", "fp32", ()),
 ]
+# (grid, family, mode): GradSync with small buckets, two steps; grids where the two steps cut differently.
+BUCKET_CASES = [((2, 2, 2, 1), "llama", "sharded"), ((2, 2, 1, 2), "neox", "sharded"), ((2, 2, 1, 2), "neox", "easy")]
+SMALL = {"first_bucket_bytes": 256, "bucket_bytes": 1024}
 
 
 def run_step(plm, grid, opt, precision, micro, vocab):
@@ -73,6 +82,17 @@ def _worker(rank, world):
         out[case] = {"records": Counter(parallel.LEDGER.records),
                      "memory": {"params": nbytes(params), "grads": nbytes(p.grad for p in params),
                                 "optimizer": nbytes(state)}}
+    for case in BUCKET_CASES:
+        degrees, family, mode = case
+        grid = grids[degrees]
+        plm = parallelize(step_model(family, (), "meta"), grid, mode, seed=1, device="cpu")
+        parallel.grad_sync(plm, grid, **SMALL)  # kept on the model: train_step's own call returns it
+        opt = build_optimizer(plm, RunConfig())
+        out[case] = []
+        for _ in range(2):
+            parallel.LEDGER.reset()
+            run_step(plm, grid, opt, "fp32", micro_batch(degrees, mode), plm.config.vocab_size)
+            out[case].append(Counter(parallel.LEDGER.records))
     out["measure"] = network.measure_table(rank, world, 8, sizes_mb=(0.01, 0.04), iters=2)
     return out
 
@@ -88,8 +108,9 @@ def ranks(request):
 def _predict(case):
     degrees, family, mode, precision, extra = case
     shape = cost.shape_of(step_model(family, extra, "meta").config)
+    # Each case's step is its new model's first: GradSync cuts in reverse registration order.
     return shape, cost.step_records(shape, Grid(*degrees), mode, B, S, micro_batch(degrees, mode), precision=precision,
-                                    checkpointing=("recompute", True) in extra)
+                                    checkpointing=("recompute", True) in extra, first_step=True)
 
 
 def _id(case):
@@ -116,6 +137,63 @@ def test_memory_estimate_within_10_percent(ranks, case):
     for got in ranks:
         for key, measured in got[case]["memory"].items():
             assert abs(est[key] - measured) <= 0.1 * measured, (key, est[key], measured)
+
+
+@pytest.mark.parametrize("case", BUCKET_CASES, ids=lambda c: f"{grid_id(c[0])}-{c[1]}-{c[2]}")
+def test_gradient_buckets_equal_grad_sync(ranks, case):
+    """Small buckets, two steps: each step's ledger, record for record, with the planner's buckets of that step."""
+    degrees, family, mode = case
+    shape, grid = cost.shape_of(step_model(family, (), "meta").config), Grid(*degrees)
+    for step, first in enumerate((True, False)):
+        want = cost.step_records(shape, grid, mode, B, S, micro_batch(degrees, mode), first_step=first, **SMALL)
+        for rank, got in enumerate(ranks):
+            got = got[case][step]
+            assert got == want, (rank, step, sorted((got - want).items(), key=str),
+                                 sorted((want - got).items(), key=str))
+    first, later = (cost.gradient_buckets(shape, grid, mode, first_step=f, **SMALL) for f in (True, False))
+    assert all(len(b) > 1 for b in later.values()) and first != later  # cut, and re-cut into other messages
+    print({grid.label(a): len(b) for a, b in later.items()}, "buckets")
+
+
+def _cuts(sync: GradSync) -> dict[tuple[str, ...], list[int]]:
+    """Bytes of each of a GradSync's buckets, in order, per group's live axes (fp32 parameters)."""
+    return {axes: [sum(sync.params[i].numel() * 4 for i in b.index) for b in q] for (axes, _), q in sync.queues.items()}
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("family", ["llama", "neox", "gpt2"])
+def test_buckets_are_grad_sync_cuts(family, mode):
+    """GradSync itself, on meta tensors of the planner's parameters (sizes, reduce tags, registration order), cuts
+    the buckets cost.gradient_buckets gives, on every 8-rank grid: its first plan, and its plan in the planner's
+    backward order; small sizes and its own. The flat messages carry the same bytes."""
+    shape = cost.shape_of(step_model(family, (), "meta").config)
+    for degrees in GRIDS:
+        grid = Grid(*degrees)
+        params, ready = cost.ordered_parameters(shape, grid, mode)
+        tensors = [tag(torch.nn.Parameter(torch.empty(p.numel, device="meta")), reduce_axes=p.reduce_axes)
+                   for p in params]
+        flat = cost.gradient_buckets(shape, grid, mode, grad_sync="blocking")
+        for sizes in (SMALL, {}):
+            sync = GradSync(tensors, grid, **sizes)
+            pos = {id(t): i for i, t in enumerate(sync.params)}
+            first = _cuts(sync)
+            sync.plan([pos[id(tensors[i])] for i in ready if id(tensors[i]) in pos])
+            later = _cuts(sync)
+            sync.remove()
+            assert first == cost.gradient_buckets(shape, grid, mode, first_step=True, **sizes), (degrees, sizes)
+            assert later == cost.gradient_buckets(shape, grid, mode, **sizes), (degrees, sizes)
+            assert {a: [sum(b)] for a, b in later.items()} == flat
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("family", ["llama", "neox", "gpt2"])
+def test_z_sharded_weights_finish_in_reverse_registration_order(family, mode):
+    """With z > 1 under ORS their gradients are not final in backward, so GradSync re-cuts them in reverse
+    registration order; cost.gradient_buckets cuts them in backward order, which must be that same order."""
+    shape = cost.shape_of(step_model(family, (), "meta").config)
+    params, ready = cost.ordered_parameters(shape, Grid(2, 2, 2, 2), mode)
+    weights = [i for i in ready if params[i].reduce_axes == ("data",)]
+    assert len(weights) > 2 and weights == sorted(weights, reverse=True)
 
 
 def test_measured_table_is_read_by_the_planner(ranks, tmp_path):

@@ -1,8 +1,16 @@
 """`memtrain plan --validate`: the trainer's own step on a fake process group and fake tensors, against cost.py.
 
 - At 64 ranks, small named models (sharded bf16 with activation checkpointing and two micro-batches; easy
-  fp32 GPT-2): every ledger record, and the per-rank parameter, gradient and AdamW bytes, equal the planner's;
-  the activation estimate is reported as a ratio to the saved-tensor measurement (bounded loosely, it is one).
+  fp32 GPT-2): every ledger record, and the per-rank parameter, gradient and AdamW bytes, equal the planner's,
+  with the trainer's overlapped gradient sync (the dry run's default) and with the blocking one; the activation
+  estimate is reported as a ratio to the saved-tensor measurement (bounded loosely, it is one).
+- GradSync's buckets: with small buckets (1 KiB, then 4 KiB) on six grids of the three families, in both modes
+  (data > 1; x, y > 1; z > 1), on a run's first step and on a later one, the ledger equals the planner's records
+  exactly: every bucket's all-reduce (op, group, bytes), as many as GradSync launches (11 to 44 per step), and
+  each group's in the planner's order. Each case also tells apart what the planner could get wrong: the flat
+  messages, and where it changes the messages (five of the six) the other step's parameter order. At
+  GradSync's own sizes ladder-30m (120 MB of gradients per rank at data=2) is cut into 5 buckets, and the 405B
+  run below into 107 + 2.
 - It can fail: a planner one byte off on one collective, or on the gradients, is flagged (exit 1, DIFFERENT),
   through the command line; the JSON it writes says so.
 - The `paper` preset's 405B grid (x=4, y=8, z=16) at 4,096 ranks (data=8): its batch of 64 does not split over
@@ -10,6 +18,7 @@
 Each dry run starts and ends its own fake process group in this process.
 """
 
+import functools
 import json
 import math
 import time
@@ -17,10 +26,13 @@ import time
 import pytest
 import torch.distributed as dist
 
+import parallel
 from memtrain.cli import main
+from memtrain.config import ParallelConfig
 from memtrain.plan import cost, dryrun
-from memtrain.plan.search import PlanConfig
+from memtrain.plan.search import PlanConfig, load_config
 from parallel import Grid
+from parallel.bucketed import BUCKET_BYTES, FIRST_BUCKET_BYTES
 
 CASES = {  # id: (config, (data, x, y, z))
     "ladder-1m-sharded-bf16-recompute": (
@@ -52,17 +64,87 @@ def _check(run: dryrun.DryRun) -> None:
     assert run.ok
 
 
+@pytest.mark.parametrize("grad_sync", [None, "blocking"])
 @pytest.mark.parametrize("case", CASES)
-def test_dry_run_equals_the_planner_record_for_record(case):
+def test_dry_run_equals_the_planner_record_for_record(case, grad_sync):
     cfg, grid = CASES[case]
-    run = dryrun.dry_run(cfg, grid, rank=37)
+    run = dryrun.dry_run(cfg, grid, rank=37, grad_sync=grad_sync)
     _check(run)
+    assert run.options["grad_sync"] == (grad_sync or ParallelConfig().grad_sync) == (grad_sync or "overlap")
     assert run.world_size == 64 and run.micro_batches == cfg.batch // cost.rows_split(Grid(*grid), run.mode) // 2 ** (
         cfg.micro_batch == 2)
     if cfg.activation_checkpointing:  # kept at the peak: outside the blocks, their inputs, one block recomputed
         a = run.activations
         assert a["blocks"] == 6 and a["largest_block"] > 0 and a["block_inputs"] > 0
         assert a["total"] == a["saved_outside_blocks"] + a["block_inputs"] + a["largest_block"]
+
+
+SMALL = {"first_bucket_bytes": 1024, "bucket_bytes": 4096}
+
+
+def _cfg(model: str, mode: str, grid: tuple[int, ...]) -> PlanConfig:
+    """Two micro-batches of one sequence per rank: the first only accumulates (parallel.no_sync)."""
+    split = grid[0] * grid[3] if mode == "sharded" else math.prod(grid)
+    return PlanConfig(model, math.prod(grid), batch=2 * split, seq=8, micro_batch=1, mode=mode, precision="fp32")
+
+
+BUCKETS = {  # id: (config, (data, x, y, z), steps measured, whether the other step's parameter order cuts otherwise)
+    "ladder-1m-sharded-d2x2y2-later": (_cfg("ladder-1m", "sharded", (2, 2, 2, 1)), (2, 2, 2, 1), 2, True),
+    "ladder-1m-easy-d2-first": (_cfg("ladder-1m", "easy", (2, 1, 1, 1)), (2, 1, 1, 1), 1, True),
+    "pythia-14m-sharded-d4x2y2z4-first": (_cfg("pythia-14m", "sharded", (4, 2, 2, 4)), (4, 2, 2, 4), 1, True),
+    "pythia-14m-sharded-d2x2y2z2-later": (_cfg("pythia-14m", "sharded", (2, 2, 2, 2)), (2, 2, 2, 2), 2, True),
+    "pythia-14m-easy-d2x2z2-later": (_cfg("pythia-14m", "easy", (2, 2, 1, 2)), (2, 2, 1, 2), 2, True),
+    "gpt2-tiny-easy-d2x2y2z2-later": (_cfg("gpt2-tiny", "easy", (2, 2, 2, 2)), (2, 2, 2, 2), 2, False),
+}
+
+
+@pytest.mark.parametrize("case", BUCKETS)
+def test_gradient_buckets_equal_grad_syncs(case, monkeypatch):
+    """The engine's GradSync with small buckets (train_step takes the one kept on the model): the ledger is the
+    planner's step, every bucket's all-reduce included, record for record."""
+    cfg, grid, steps, order_matters = BUCKETS[case]
+    monkeypatch.setattr(parallel, "grad_sync", functools.partial(parallel.grad_sync, **SMALL))
+    issued = []  # the ledger in issue order, as the dry run resets it after each step
+
+    def reset():
+        issued.append(list(parallel.LEDGER.records))
+        parallel.LEDGER.records.clear()
+
+    monkeypatch.setattr(parallel.LEDGER, "reset", reset)
+    run = dryrun.dry_run(cfg, grid, steps=steps)
+    shape, g = cost.shape_of(load_config(cfg.model)), Grid(*grid)
+    sync = dict(SMALL, first_step=steps == 1)
+
+    def predict(**kw):
+        return cost.step_records(shape, g, run.mode, cfg.batch, cfg.seq, cfg.micro_batch, **kw)
+
+    want = predict(**sync)
+    assert run.measured == want, (sorted((run.measured - want).items(), key=str)[:5],
+                                  sorted((want - run.measured).items(), key=str)[:5])
+    buckets = cost.gradient_buckets(shape, g, run.mode, **sync)
+    print(case, {g.label(a): len(b) for a, b in buckets.items()}, "buckets")
+    # In launch order too: a group's buckets go one after the other, and on these grids no other all-reduce over
+    # a group's axes comes before them (the gradient norm's and the loss's come after the sync).
+    for axes, b in buckets.items():
+        launched = [r.nbytes for r in issued[-1] if r.op == "all_reduce" and r.axes == g.label(axes)]
+        assert launched[:len(b)] == b, axes
+    assert min(map(len, buckets.values())) >= 2 and max(map(len, buckets.values())) >= 3  # both sizes cut
+    assert predict(grad_sync="blocking") != run.measured
+    assert (predict(**dict(sync, first_step=steps != 1)) != run.measured) == order_matters
+
+
+def test_default_buckets_cut_a_model_bigger_than_one():
+    """GradSync's own sizes: ladder-30m's 120 MB of gradients per rank at data=2 in 5 buckets (1 MiB, then 25 MiB;
+    a bucket closes at the parameter that fills it), on a later step, whose order cuts other bytes than the first's:
+    the dry run's own prediction follows its steps."""
+    cfg = _cfg("ladder-30m", "sharded", (2, 1, 1, 1))
+    run = dryrun.dry_run(cfg, (2, 1, 1, 1), steps=2)
+    _check(run)
+    (data,) = run.gradients.values()
+    assert len(data) == 5 and data[0] >= FIRST_BUCKET_BYTES and min(data[1:-1]) >= BUCKET_BYTES
+    text = dryrun.table(run)
+    assert "(grad_sync=overlap, buckets in the first backward's gradient order):\n" \
+           "  data                5 all-reduces      119,572,480 bytes" in text, text
 
 
 def test_a_wrong_planner_figure_is_flagged(monkeypatch, tmp_path, capsys):
@@ -129,3 +211,5 @@ def test_paper_405b_at_4096_ranks():
     _check(run)
     print(f"405B at {gpus} ranks: {time.perf_counter() - start:.1f} s ({run.seconds})")
     assert run.grid == (8, 4, 8, 16) and run.batch == 128 and run.checkpointing and run.precision == "bf16"
+    # 3.2 GB of weight gradients per rank: 1 MiB, then 25 MiB buckets; the norms' 4 MB: two
+    assert {axes: len(b) for axes, b in run.gradients.items()} == {"data": 107, "z+data": 2}
