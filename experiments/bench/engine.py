@@ -37,6 +37,9 @@ is cast before the gather): their ratio must be 0.5, or the run fails.
 `--batch` is the global number of rows per step (each data-parallel rank holds batch/world of them).
 On a shared 2-core machine 4 ranks oversubscribe the cores: the figures compare implementations
 under the same conditions, they are not a scaling measurement.
+
+The same comparison on a language model (a ladder Llama), on EVERY 4- and 8-rank grid in both modes:
+`python -m experiments.bench.engine_lm` (experiments/bench/engine_lm.py).
 """
 
 from __future__ import annotations
@@ -45,13 +48,23 @@ import argparse
 import statistics
 import time
 from contextlib import nullcontext
+from functools import partial
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 import parallel
-from experiments.bench.common import machine, paired_ratio, rel_diff, write_json
+from experiments.bench.common import (
+    fsdp2,
+    global_sum,
+    machine,
+    paired_ratio,
+    param_opt_bytes,
+    rel_diff,
+    timed_rounds,
+    write_json,
+)
 from parallel.forked import run_ranks
 from parallel.sharding import full_normal
 
@@ -111,17 +124,6 @@ def memtrain_mlp(grid: parallel.Grid, hidden: int, layers: int, mode: str, init)
     return nn.Sequential(*blocks)
 
 
-def _local_bytes(t: torch.Tensor) -> int:
-    t = getattr(t, "_local_tensor", t)  # DTensor -> this rank's shard
-    return t.numel() * t.element_size()
-
-
-def param_opt_bytes(model: nn.Module, opt: torch.optim.Optimizer) -> tuple[int, int]:
-    params = sum(_local_bytes(p) for p in model.parameters())
-    state = sum(_local_bytes(v) for s in opt.state.values() for v in s.values() if torch.is_tensor(v))
-    return params, state
-
-
 # -------------------------------------------------------------------------------------------- variants
 
 class Variant:
@@ -169,7 +171,7 @@ class DDPVariant(Variant):
 
     def comm_model(self):
         p = self.world
-        m = sum(_local_bytes(q) for q in self.model.parameters())
+        m = param_opt_bytes(self.model, self.opt)[0]
         return {"all_reduce data (model)": (m, 2 * (p - 1) / p * m)}
 
 
@@ -177,22 +179,16 @@ class FSDP2Variant(DDPVariant):
     name = "fsdp2"
 
     def build(self, init, X, T):
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
-
         k = self.n_rows // self.world
         rows = slice(self.rank * k, (self.rank + 1) * k)
         self.x, self.t = X[rows].contiguous(), T[rows].contiguous()
-        mesh = init_device_mesh("cpu", (self.world,))
         model = torch_mlp(self.hidden, self.args.layers, init)
-        for block in model:
-            fully_shard(block, mesh=mesh)
-        self.model = fully_shard(model, mesh=mesh)
+        self.model = fsdp2(model, list(model), self.world)
         self.report_weight = 1.0 / self.world
 
     def comm_model(self):
         p = self.world
-        m = sum(_local_bytes(q) for q in self.model.parameters()) * p  # unsharded fp32 bytes
+        m = param_opt_bytes(self.model, self.opt)[0] * p  # unsharded fp32 bytes
         return {"all_gather (fwd+bwd) (model)": (2 * m, 2 * (p - 1) / p * m),
                 "reduce_scatter (model)": (m, (p - 1) / p * m)}
 
@@ -265,20 +261,6 @@ def make_variants(world):
 
 # ---------------------------------------------------------------------------------------------- worker
 
-def _global(v: float) -> float:
-    t = torch.tensor([v], dtype=torch.float64)
-    dist.all_reduce(t)
-    return float(t)
-
-
-def _timed(variant) -> float:
-    dist.barrier()
-    t0, c0 = time.perf_counter(), time.process_time()
-    variant.step()
-    variant.cpu = time.process_time() - c0  # all threads of this rank, gloo's included
-    return time.perf_counter() - t0
-
-
 def worker(rank, world, args):
     names = args.variants
     X = torch.randn(args.batch, args.hidden, generator=torch.Generator().manual_seed(SEED + 2))
@@ -294,7 +276,7 @@ def worker(rank, world, args):
 
     # Steps 1 and 2 (fresh weights; step 2 after one synchronized AdamW update): global losses.
     for n in names:
-        out["losses"][n] = [_global(float(variants[n].step())) for _ in range(2)]
+        out["losses"][n] = [global_sum(float(variants[n].step())) for _ in range(2)]
     # Bytes per step from the ledger (one more, untimed step each), memory after the optimizer exists.
     for n in names:
         parallel.LEDGER.reset()
@@ -311,20 +293,14 @@ def worker(rank, world, args):
     out["z_gather"] = z_gather_bytes(variants, names, out["ledger"])
     parallel.LEDGER.reset()
 
-    # Warm-up then timed rounds, order rotated each round.
-    times = {n: [] for n in names}
-    phases = {n: [] for n in names}
-    for r in range(args.warmup + args.steps):
-        k = r % len(names)
-        for n in names[k:] + names[:k]:
-            dt = _timed(variants[n])
-            if r >= args.warmup:
-                times[n].append(dt)
-                phases[n].append((*variants[n].phases, variants[n].cpu))
-        parallel.LEDGER.reset()
-    t = torch.tensor([times[n] for n in names], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)  # a step lasts as long as its slowest rank
-    out["times"] = {n: t[i].tolist() for i, n in enumerate(names)}
+    def timed(v: Variant) -> tuple:
+        c0 = time.process_time()
+        v.step()
+        cpu = time.process_time() - c0  # all threads of this rank, gloo's included
+        parallel.LEDGER.reset()  # the ledger would grow with every step
+        return (*v.phases, cpu)
+
+    out["times"], phases = timed_rounds({n: partial(timed, variants[n]) for n in names}, args.warmup, args.steps)
     ph = torch.tensor([phases[n] for n in names], dtype=torch.float64)  # [variant, step, phase]
     dist.all_reduce(ph)
     out["phases"] = {n: (ph[i] / world).median(dim=0).values.tolist() for i, n in enumerate(names)}
@@ -361,12 +337,11 @@ def profile(variants, names, rank, steps=5):
     for n in names:
         with tprof(activities=[ProfilerActivity.CPU]) as prof:
             for _ in range(steps):
-                _timed(variants[n])
+                dist.barrier()
+                variants[n].step()
         tables[n] = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=18) if rank == 0 else ""
     return tables
 
-
-# ---------------------------------------------------------------------------------------------- launch
 
 # ---------------------------------------------------------------------------------------------- report
 

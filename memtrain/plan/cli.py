@@ -23,7 +23,8 @@ from memtrain import bounds
 from memtrain.commandline import ArgumentParser, at_most, positive_float, positive_int
 from memtrain.config import PARALLEL_MODES, PRECISIONS
 from memtrain.files import write_atomic
-from memtrain.plan.network import DEFAULT_MACHINE, load_network, measure
+from memtrain.plan.network import DEFAULT_MACHINE, load_network
+from memtrain.plan.probes import measure
 from memtrain.plan.search import PlanConfig, fewest_gpus, plan, table, to_json
 from parallel import GRAD_SYNCS, resolve_degrees
 

@@ -12,9 +12,31 @@ FLOPs are counted as torch.utils.flop_counter counts them (a [m, k] x [k, n] pro
   backward (flash kernels recompute the scores: 5 products for the forward's 2). Sharded mode: this rank's tokens,
   heads over Y, so X members repeat the same attention; easy mode: the rank's own tokens, every head.
 - activation checkpointing runs each block's forward (matmuls and attention) again in backward.
-Not counted: the embedding lookup, norms, activations, rotary, the loss's softmax, AdamW, and framework overhead.
-They are memory-bound or fixed costs, a small share of a large model's step on GPUs but not of a tiny model's on
-a CPU, where the prediction falls short by them (experiments/bench/planner.py reports by how much).
+Besides matmuls (the non-matmul term, at the rates `memtrain plan --measure` probes; probes.py says how), per rank:
+- kernels: a training step's time per kernel beyond the kernel's work (op_overhead_s: dispatch, allocation, views,
+  modules' Python, autograd, probed as a tiny real step's time per kernel) times the kernels a step dispatches
+  besides its matmuls, attention and collectives (`kernel_ops`): per block its norms, biases, activation, residual
+  adds, rotary and attention's re-layouts, counted with torch's dispatcher on the three families (test_compute.py
+  compares the total with a real step's), plus easy mode's re-layouts around each Linear on a grid with x or y > 1
+  and the sharded norms' all-reduces on x > 1;
+- elementwise work: per kind, seconds per element times the activation elements this rank puts through such
+  layers (`micro_elements`): norms, SiLU x mul, rotary on q and k, adds and copies (residual adds, biases,
+  attention's output, easy mode's re-layouts), and the loss's softmax over this rank's vocabulary rows;
+- AdamW with the gradient clipping before it: per element and per tensor of this rank's shards
+  (cost.parameters: sharding over Z halves its elements). It runs after the last collective, so no communication
+  hides behind it; with optimizer offload it runs on the host, and is not counted;
+- attention: where its kernel was measured, the larger of its products at the matmul rate and the measured
+  seconds per score (at tiny head sizes a CPU spends them on the softmax, not the products).
+Why these terms: on a CPU rank of a tiny model a step is mostly not matmuls, and timing one phase at a time
+(ladder-1m, 8 ranks on 2 cores, data = 8) found a fixed ~50 ms of forward + backward at 8 tokens (kernels), AdamW
+and clipping ~20 ms, and flash attention's backward at head size 8 several times its products; each grows with
+something the grid sets (kernels with re-layouts, elements with the shard's widths and rows, AdamW with the
+shards, scores with the local heads). A fixed model: rates are probed, never fitted to steps. The elementwise
+rates are slopes between two sizes, so the fixed cost per kernel counts once; backward is taken as two thirds of
+each forward + backward (BACKWARD_SHARE), the part the gradient all-reduce can hide behind and whose complement
+recomputation repeats. Still not counted: the embedding lookup's and the ends' re-layouts, host work between
+steps, and ranks waiting for one another beyond the probes. A machine without these rates (a preset, an older
+table) counts no non-matmul time.
 
 Each matmul takes `Network.matmul_seconds` for its shape (a measured GFLOP/s table, or peak x efficiency):
 small shards run below peak. Attention runs at the rate of one [rows x local heads, head_dim] x [head_dim, seq]
@@ -29,8 +51,9 @@ micro-batch's compute; the gradient all-reduce (buckets launched as gradients be
 micro-batch's backward. Everything else (X/Y reductions and re-layouts of activations, norm statistics, the loss,
 the gradient norm) is on the critical path; OAR's window, one dW matmul per layer, is not credited. With both
 kinds sharing one link:
-    step = compute + blocking + max(0, grads - last backward, weights + grads - compute)
-i.e. the gradient all-reduce hides behind the last backward at most, and the two together behind all compute.
+    step = compute + blocking + max(0, grads - last backward, weights + grads - (compute - optimizer))
+i.e. the gradient all-reduce hides behind the last backward at most, and the two together behind all compute
+before the optimizer (which needs the summed gradients).
 """
 
 from __future__ import annotations
@@ -38,7 +61,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
-from memtrain.hf.architectures import Matrix, Shape
+from memtrain.hf.architectures import Matrix, Norm, Shape
 from memtrain.plan import cost
 from memtrain.plan.network import Network
 from parallel import Grid
@@ -46,6 +69,27 @@ from parallel.comm import Record
 
 FLASH_BACKWARD = 2.5
 """Attention's backward over its forward: dS, dV, dQ, dK and the recomputed scores, 5 products for 2."""
+BACKWARD_SHARE = 2 / 3
+"""Backward's share of an elementwise layer's or a kernel's forward + backward (two passes for the forward's one)."""
+
+# Kernels of one forward + backward, counted with torch's dispatcher (views excluded) at one rank on the tiny
+# llama, gpt2 and neox models.
+NORM_KERNELS = {("sharded", 1): 22, ("sharded", 2): 31, ("easy", 1): 21, ("easy", 2): 3}
+"""(mode, statistics) -> kernels of a norm: the engine's RMSNorm (1) or LayerNorm (2) in sharded mode,
+transformers' own in easy mode (Llama's RMSNorm as separate ops, torch's fused layer_norm)."""
+BIAS_KERNELS = 3
+"""A bias: its add, and in backward the sum over rows and the gradient's accumulation."""
+ACTIVATION_KERNELS = {True: 6, False: 3}
+"""The MLP's activation: SiLU(gate) x up (gated), or one GELU."""
+RESIDUAL_KERNELS = 4
+"""The block's two residual adds and the sums of their gradients."""
+ATTENTION_KERNELS = 11
+"""Around SDPA: q, k and v to heads, the output back to rows (a copy), and their gradients."""
+ROTARY_KERNELS = 16
+"""Rotary embedding of q and k (products with cos and sin, rotate_half's negation and concatenation), and backward."""
+END_KERNELS = 80
+"""Per micro-batch outside the blocks and the final norm: the embedding, rotary's tables, the LM head's loss and
+its sums."""
 
 
 @dataclass
@@ -60,6 +104,11 @@ class Compute:
     """The last micro-batch's backward: what the gradient all-reduce can hide behind."""
     model_flops: float
     """The unsharded model's FLOPs per step, all ranks together (MFU's numerator)."""
+    other_seconds: float = 0.0
+    """The non-matmul term (included in `seconds`): kernels' fixed cost, elementwise work, AdamW and attention's time
+    beyond its products at the matmul rate."""
+    optimizer_seconds: float = 0.0
+    """AdamW's share of `other_seconds`: it runs after every collective, so none hides behind it."""
 
 
 def micro_matmuls(shape: Shape, grid: Grid, mode: str, micro: int, seq: int) -> dict[str, Counter]:
@@ -97,9 +146,69 @@ def model_flops(shape: Shape, batch: int, seq: int) -> float:
     return 6.0 * params * tokens + 12.0 * shape.layers * shape.heads * shape.head_dim * seq * tokens
 
 
+def _relayouts(grid: Grid, m: Matrix, mode: str) -> tuple[int, int]:
+    """(size of A, size of B) of an easy-mode Linear whose edges re-lay rows (1, 1: none, sharded mode)."""
+    if mode != "easy":
+        return 1, 1
+    a, b = cost.feature_axes(m, mode)
+    return grid.size(a), grid.size(b)
+
+
+def _norm_kernels(n: Norm, grid: Grid, mode: str) -> int:
+    """A norm's kernels; sharded over x > 1 each statistic's all-reduce clones its input, forward and backward."""
+    return NORM_KERNELS[(mode, n.stats)] + (2 * n.stats if mode == "sharded" and grid.x > 1 else 0)
+
+
+def kernel_ops(shape: Shape, grid: Grid, mode: str, n_micro: int = 1, checkpointing: bool = False) -> float:
+    """Kernels one optimizer step dispatches on this rank besides matmuls, attention, collectives and AdamW: per
+    micro-batch every block's and the ends' (recomputation repeats a block's forward share), then per step the
+    gradients' copies out of their all-reduce buckets and the accumulation of every micro-batch after the first.
+    Over Z each Linear's weight gradient also lands from its deferred reduce-scatter (one kernel)."""
+    block = ACTIVATION_KERNELS[shape.gated_mlp] + RESIDUAL_KERNELS + ATTENTION_KERNELS
+    block += 0 if shape.positions else ROTARY_KERNELS
+    for part in shape.block:
+        if isinstance(part, Norm):
+            block += _norm_kernels(part, grid, mode)
+        else:  # an easy-mode Linear's edges: a copy each way per re-layout, two more when both axes split
+            a, b = _relayouts(grid, part, mode)
+            block += BIAS_KERNELS * part.bias + 2 * (a > 1) + 2 * (b > 1) + 4 * (a > 1 and b > 1) + (grid.z > 1)
+    block *= 1 + (1 - BACKWARD_SHARE) * checkpointing
+    params = cost.parameters(shape, grid, mode)
+    synced = sum(1 for _, axes in params if grid.size(axes) > 1)
+    ends = _norm_kernels(shape.final_norm, grid, mode) + END_KERNELS
+    return n_micro * (shape.layers * block + ends) + synced + (n_micro - 1) * len(params)
+
+
+def micro_elements(shape: Shape, grid: Grid, mode: str, micro: int, seq: int) -> dict[str, float]:
+    """Activation elements one micro-batch puts through each kind of elementwise layer (network.ELEMENTWISE) on
+    this rank, counted once for its forward and backward. Sharded mode: this rank's tokens at its shard's widths;
+    easy mode: its own tokens at full width (transformers' layers), plus the copies of the re-layouts around each
+    Linear on the plane (features -> rows over A, rows -> features over B, and when both split the output's plane
+    rows reordered before their reduce-scatter over A), and the loss over the plane column's rows (|y| x its
+    tokens, each over V/|y|)."""
+    t = micro * seq
+    x, y = (grid.x, grid.y) if mode == "sharded" else (1, 1)
+    h, i = shape.hidden // x, shape.intermediate // y
+    q, kv = shape.heads * shape.head_dim // y, shape.kv_heads * shape.head_dim // y
+    norms = shape.layers * sum(n.stats for n in shape.block if isinstance(n, Norm)) + shape.final_norm.stats
+    adds = h * (2 * shape.layers + 1) + q * shape.layers  # residual adds, the embedding's output, attention's
+    for m in shape.block:
+        if isinstance(m, Matrix):
+            a, b = _relayouts(grid, m, mode)
+            out = m.rows // grid.size(cost.feature_axes(m, mode)[1]) if mode == "sharded" else m.rows
+            adds += shape.layers * (out * m.bias + m.cols * (a > 1) + m.rows * (b > 1) + a * m.rows * (a > 1 and b > 1))
+    vocab = cost.vocab_rows(shape, grid)
+    if mode == "easy" and grid.x > 1:  # the LM head's edge: features -> rows, its plane's logits reordered
+        adds += shape.hidden + grid.x * vocab * (grid.y > 1)
+    return {"norm": t * h * norms, "act": t * i * shape.layers, "add": t * adds,
+            "rotary": 0 if shape.positions else t * (q + kv) * shape.layers,
+            "loss": t * vocab // (1 if mode == "easy" else grid.y)}
+
+
 def step_compute(shape: Shape, grid: Grid, mode: str, batch: int, seq: int, micro: int | None, net: Network,
-                 precision: str = "fp32", checkpointing: bool = False) -> Compute:
-    """FLOPs and seconds of one optimizer step on this rank, at `net`'s matmul rates."""
+                 precision: str = "fp32", checkpointing: bool = False, offload: bool = False) -> Compute:
+    """FLOPs and seconds of one optimizer step on this rank: matmuls at `net`'s rates and the non-matmul term (module
+    docstring; zero where `net` has no rates for it). offload: AdamW runs on the host, not counted."""
     local = batch // cost.rows_split(grid, mode)
     micro = micro or local
     n_micro = local // micro
@@ -108,15 +217,29 @@ def step_compute(shape: Shape, grid: Grid, mode: str, batch: int, seq: int, micr
     secs = {key: sum(net.matmul_seconds(m, k, n, precision) * c for (m, k, n), c in calls.items())
             for key, calls in mm.items()}
     att, (m, k, n) = attention(shape, grid, mode, micro, seq)
-    att_s = att * net.matmul_seconds(m, k, n, precision) / (2.0 * m * k * n)
+    att_s = att * net.matmul_seconds(m, k, n, precision) / (2.0 * m * k * n)  # forward, at the matmul rate
+    att_fwd, att_back = att_s, att_s * FLASH_BACKWARD
+    measured = net.attention_seconds(shape.head_dim, precision)
+    if measured:  # per score of the full square, as the probe counts them: this rank's heads, every layer
+        scores = micro * seq * seq * (shape.heads // grid.y if mode == "sharded" else shape.heads) * shape.layers
+        att_fwd, att_back = max(att_fwd, scores * measured[0]), max(att_back, scores * measured[1])
     redo = 1 if checkpointing else 0  # the blocks' forward again in backward
     backward_flops = flops["blocks_backward"] + flops["head_backward"] + att * (FLASH_BACKWARD + redo) \
         + flops["blocks"] * redo
-    backward_s = secs["blocks_backward"] + secs["head_backward"] + att_s * (FLASH_BACKWARD + redo) \
-        + secs["blocks"] * redo
-    forward_flops, forward_s = flops["blocks"] + flops["head"] + att, secs["blocks"] + secs["head"] + att_s
-    return Compute(n_micro * (forward_flops + backward_flops), n_micro * (forward_s + backward_s), backward_s,
-                   model_flops(shape, batch, seq))
+    backward_s = secs["blocks_backward"] + secs["head_backward"] + att_back + (att_fwd + secs["blocks"]) * redo
+    forward_flops, forward_s = flops["blocks"] + flops["head"] + att, secs["blocks"] + secs["head"] + att_fwd
+    elementwise = sum(net.elementwise.get(kind, 0.0) * count * (1 + (1 - BACKWARD_SHARE) * redo * (kind != "loss"))
+                      for kind, count in micro_elements(shape, grid, mode, micro, seq).items())
+    # The per-step kernels (a few per parameter tensor) spread over the micro-batches with the rest.
+    per_micro = net.op_overhead_s * kernel_ops(shape, grid, mode, n_micro, checkpointing) / n_micro + elementwise
+    params = cost.parameters(shape, grid, mode)
+    per_element, per_tensor = net.optimizer or (0.0, 0.0)
+    optimizer = 0.0 if offload else per_element * sum(v for v, _ in params) + per_tensor * len(params)
+    attention_beyond = att_fwd * (1 + redo) + att_back - att_s * (1 + FLASH_BACKWARD + redo)
+    return Compute(n_micro * (forward_flops + backward_flops),
+                   n_micro * (forward_s + backward_s + per_micro) + optimizer,
+                   backward_s + BACKWARD_SHARE * per_micro, model_flops(shape, batch, seq),
+                   n_micro * (per_micro + attention_beyond) + optimizer, optimizer)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -139,7 +262,8 @@ def _weights(r: Record) -> bool:
     return r.axes == "z" and r.op in ("all_gather", "reduce_scatter")
 
 
-def step_seconds(compute: float, last_backward: float, comm: dict[str, float]) -> float:
-    """Predicted step time: compute + blocking communication + what overlap leaves exposed (module docstring)."""
+def step_seconds(compute: float, last_backward: float, comm: dict[str, float], optimizer: float = 0.0) -> float:
+    """Predicted step time: compute + blocking communication + what overlap leaves exposed (module docstring);
+    `optimizer`, part of `compute`, runs after every collective."""
     weights, grads = comm["weights"], comm["grads"]
-    return compute + comm["blocking"] + max(0.0, grads - last_backward, weights + grads - compute)
+    return compute + comm["blocking"] + max(0.0, grads - last_backward, weights + grads - (compute - optimizer))

@@ -1,12 +1,16 @@
-"""The machine as the planner sees it: node size, device memory, what each collective and each matmul achieves.
+"""The machine as the planner sees it: node size, device memory, what each collective, matmul and other op achieves.
 
 Presets live in machines.toml beside this file (with their sources); `memtrain plan --measure` writes a
-measured table (latency and bus bandwidth of every collective per group size, and the GFLOP/s of matmuls
-per shape) that `--bandwidth` reads.
+measured table (latency and bus bandwidth of every collective per group size, the GFLOP/s of matmuls per shape,
+and the rates of what a step spends besides matmuls; probes.py) that `--bandwidth` reads.
 A collective costs latency + ring-moved bytes (`parallel.comm.Record.moved_bytes`) / bandwidth, at the
 bandwidth of where its group sits: inside one node or across nodes (ranks are laid out X fastest, then Y,
 Z, data). A matmul [m, k] x [k, n] costs 2mkn FLOPs at the measured rate of its shape (interpolated), or,
 for a preset, at the GPU's dense peak times the fraction of it a large GEMM reaches.
+The rest of a step (compute.py's non-matmul term) costs, at measured rates: a fixed time per kernel, a time per
+element of each kind of elementwise layer, AdamW's time per parameter element and per parameter tensor, and
+attention's kernel time per score. A preset, or a table measured before these rates were, has none of them: the
+term is then zero and attention runs at the matmul rate alone (the planner predicts as it did before).
 """
 
 from __future__ import annotations
@@ -15,15 +19,12 @@ import bisect
 import itertools
 import json
 import math
-import os
-import statistics
 import time
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from memtrain import bounds
 from memtrain.config import load_toml
-from memtrain.files import write_atomic
 from parallel import AXES, Grid
 from parallel.comm import Record
 
@@ -31,6 +32,9 @@ MACHINES = Path(__file__).with_name("machines.toml")
 DEFAULT_MACHINE = "dgx-a100"
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 GB = 1e9
+ELEMENTWISE = ("norm", "act", "add", "rotary", "loss")
+"""Kinds of elementwise layer whose rate `memtrain plan --measure` probes (`Network.elementwise`): a norm, the MLP's
+activation (SiLU x mul), an add or copy (residual adds, biases, re-layouts), rotary embedding, the loss."""
 
 
 @dataclass
@@ -56,6 +60,18 @@ class Network:
     matmuls: dict = field(default_factory=dict)
     """Measured: precision -> {"dims": [d...], "gflops": [[[GFLOP/s of [m, k] x [k, n] for n] for k] for m]} with
     m, k, n over dims, from `memtrain plan --measure` (one rank's rate while every rank runs the probe)."""
+    op_overhead_s: float = 0.0
+    """A training step's seconds per kernel beyond the kernel's work (dispatch, allocation, views, modules' Python,
+    autograd), times `compute.kernel_ops`. Measured; 0 (not counted) in a preset or an older table."""
+    elementwise: dict = field(default_factory=dict)
+    """Measured: kind (ELEMENTWISE) -> seconds per element of one such layer's forward + backward beyond its fixed
+    cost, times `compute.micro_elements`; a kind absent counts 0."""
+    optimizer: list = field(default_factory=list)
+    """Measured: [seconds per parameter element, seconds per parameter tensor] of torch AdamW's step with the
+    gradient norm clipping takes, over this rank's shards; [] counts 0."""
+    attention: dict = field(default_factory=dict)
+    """Measured: precision -> {"head_dims": [d...], "seconds": [[forward, backward] per score, for each d]}: causal
+    SDPA's time per element of its seq x seq score square per head; none: attention at the matmul rate alone."""
     source: str = ""
 
     def seconds(self, record: Record, inside_node: bool) -> float:
@@ -102,6 +118,19 @@ class Network:
         log_rate = sum(wa * wb * wc * math.log(table["gflops"][a][b][c])
                        for (a, wa), (b, wb), (c, wc) in itertools.product(*corners))
         return 2 * m * k * n / (math.exp(log_rate) * 1e9)
+
+    def attention_seconds(self, head_dim: int, precision: str) -> tuple[float, float] | None:
+        """(forward, backward) seconds per attention score at `head_dim` (log-linear between the probed head sizes,
+        the edge's rate outside them), or None when this precision's attention was not measured."""
+        table = self.attention.get(precision)
+        if not table:
+            return None
+        dims, rates = [math.log2(d) for d in table["head_dims"]], table["seconds"]
+        v = min(max(math.log2(head_dim), dims[0]), dims[-1])
+        i = bisect.bisect_right(dims, v) - 1  # the probed size at or below, and the next one up
+        j = min(i + 1, len(dims) - 1)
+        w = (v - dims[i]) / (dims[j] - dims[i]) if j > i else 0.0
+        return tuple(math.exp((1 - w) * math.log(rates[i][k]) + w * math.log(rates[j][k])) for k in (0, 1))
 
 
 def machines() -> dict[str, dict]:
@@ -170,7 +199,15 @@ def _check_table(path: Path, net: Network) -> None:
     if isinstance(net.gpus_per_node, bool) or not isinstance(net.gpus_per_node, int) \
             or not 1 <= net.gpus_per_node <= bounds.DEGREE:
         raise bad("gpus_per_node", f"= {net.gpus_per_node!r} is not an integer in [1, {bounds.DEGREE}]")
-    for key in ("collectives", "matmuls"):
+    if not (net.op_overhead_s == 0 or _positive(net.op_overhead_s)):
+        raise bad("op_overhead_s", f"= {net.op_overhead_s!r} is not a finite number >= 0")
+    if not isinstance(net.elementwise, dict) or not all(
+            k in ELEMENTWISE and (v == 0 or _positive(v)) for k, v in net.elementwise.items()):
+        raise bad("elementwise", f"is not a table of {', '.join(ELEMENTWISE)} -> seconds per element >= 0")
+    if not (net.optimizer == [] or isinstance(net.optimizer, list) and len(net.optimizer) == 2
+            and all(v == 0 or _positive(v) for v in net.optimizer)):
+        raise bad("optimizer", f"= {net.optimizer!r} is not [seconds per element, seconds per tensor], each >= 0")
+    for key in ("collectives", "matmuls", "attention"):
         if not isinstance(getattr(net, key), dict) or not all(isinstance(v, dict) for v in getattr(net, key).values()):
             raise bad(key, "is not a table of tables")
     for op, places in net.collectives.items():
@@ -192,6 +229,13 @@ def _check_table(path: Path, net: Network) -> None:
                     isinstance(row, list) and len(row) == n and all(map(_positive, row)) for row in plane)
                 for plane in rates)):
             raise bad(f"matmuls.{precision}.gflops", f"is not a {n} x {n} x {n} table of GFLOP/s > 0")
+    for precision, table in net.attention.items():
+        dims, rates = table.get("head_dims"), table.get("seconds")
+        if not (isinstance(dims, list) and dims and all(_positive(d) and isinstance(d, int) for d in dims)
+                and dims == sorted(set(dims)) and isinstance(rates, list) and len(rates) == len(dims)
+                and all(isinstance(r, list) and len(r) == 2 and all(map(_positive, r)) for r in rates)):
+            raise bad(f"attention.{precision}", "is not increasing head_dims with one [forward, backward] seconds "
+                      "per score > 0 each")
 
 
 def inside_node(grid: Grid, axes, gpus_per_node: int) -> bool:
@@ -205,7 +249,7 @@ def inside_node(grid: Grid, axes, gpus_per_node: int) -> bool:
 
 
 # ---------------------------------------------------------------------------------------------------
-# Measuring this machine's collectives and matmuls (inside an initialized process group).
+# Measuring this machine's collectives (inside an initialized process group; the other probes: probes.py).
 
 
 def measure_table(rank: int, world: int, gpus_per_node: int, sizes_mb=(0.25, 1.0, 4.0), iters: int = 5,
@@ -258,107 +302,3 @@ def measure_table(rank: int, world: int, gpus_per_node: int, sizes_mb=(0.25, 1.0
     finally:
         parallel.LEDGER.enabled = was
     return out
-
-
-MATMUL_DIMS = (8, 32, 128, 512, 2048)
-"""Sizes of m, k and n the matmul probe crosses (on GPUs 8192 too): the shard shapes of small and large models."""
-MATMUL_BUDGET = {"cpu": 2**28, "cuda": 2**36}
-"""Largest m*k*n timed per device type; a larger shape takes the best rate timed at a shape inside it."""
-
-
-def measure_matmuls(precisions=("fp32", "bf16"), device=None, min_seconds: float = 0.02) -> dict:
-    """GFLOP/s of [m, k] x [k, n] for m, k, n over MATMUL_DIMS, per precision (`Network.matmuls`).
-
-    Run it on every rank at once, as training runs: ranks sharing a CPU's cores share them here too, so the rates
-    are what one rank gets. Each shape: a warm-up call, then the median of 3 timed loops of at least `min_seconds`.
-    In a process group every rank returns the same table, from the mean over ranks of each shape's seconds."""
-    import torch
-    import torch.distributed as dist
-
-    device = torch.device(device or "cpu")
-    cuda = device.type == "cuda"
-    dims = MATMUL_DIMS + ((8192,) if cuda else ())
-    shapes = [s for s in itertools.product(dims, repeat=3) if math.prod(s) <= MATMUL_BUDGET["cuda" if cuda else "cpu"]]
-    g = torch.Generator().manual_seed(0)
-    out = {}
-    for precision in precisions:
-        dtype = torch.bfloat16 if precision == "bf16" else torch.float32
-        seconds = []
-        for m, k, n in shapes:
-            a, b = (torch.randn(r, c, generator=g).to(device, dtype) for r, c in ((m, k), (k, n)))
-            if dist.is_initialized():
-                dist.barrier()  # every rank multiplies at the same time
-            seconds.append(_loop_seconds(torch.mm, (a, b), cuda, min_seconds))
-        mean = torch.tensor(seconds, dtype=torch.float64, device=device)
-        if dist.is_initialized():
-            dist.all_reduce(mean)
-            mean /= dist.get_world_size()
-        rate = {s: 2 * math.prod(s) / t / 1e9 for s, t in zip(shapes, mean.tolist())}
-        out[precision] = {"dims": list(dims), "gflops": [[[_rate_at(rate, (m, k, n)) for n in dims] for k in dims]
-                                                         for m in dims]}
-    return out
-
-
-def _rate_at(rate: dict, shape: tuple) -> float:
-    """The timed rate of `shape`, or (beyond the budget) the best rate timed at a shape no larger in any size."""
-    if shape in rate:
-        return rate[shape]
-    return max(r for s, r in rate.items() if all(a <= b for a, b in zip(s, shape)))
-
-
-def _loop_seconds(fn, args, cuda: bool, min_seconds: float) -> float:
-    import torch
-
-    sync = torch.cuda.synchronize if cuda else lambda: None
-    fn(*args)  # warm-up
-    sync()
-    start = time.perf_counter()
-    fn(*args)
-    sync()
-    reps = max(1, math.ceil(min_seconds / max(time.perf_counter() - start, 1e-9)))
-    samples = []
-    for _ in range(3):
-        start = time.perf_counter()
-        for _ in range(reps):
-            fn(*args)
-        sync()
-        samples.append((time.perf_counter() - start) / reps)
-    return statistics.median(samples)
-
-
-def measure(out: str, sizes_mb, iters: int) -> None:
-    """`memtrain plan --measure`: run under torchrun/srun; rank 0 writes a table `--bandwidth` reads."""
-    import torch
-
-    import parallel
-
-    grid = parallel.init()
-    world = grid.world_size
-    if world < 2:
-        raise ValueError("--measure needs at least 2 processes: run it under torchrun --nproc-per-node G "
-                         "(or srun), one process per GPU")
-    gpn = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
-    table_ = measure_table(grid.rank, world, gpn, sizes_mb, iters, device)
-    # bf16 only where it beats fp32, as train.precision="auto" decides (on an AVX2-only CPU it is 15-40x slower:
-    # minutes of probing for a precision no run would choose); every rank must agree, the probe all-reduces.
-    from memtrain.training.perf import bf16_faster
-
-    fast = torch.tensor([float(bf16_faster(device or torch.device("cpu")))], device=device)
-    torch.distributed.all_reduce(fast, op=torch.distributed.ReduceOp.MIN)
-    matmuls = measure_matmuls(("fp32", "bf16") if fast.item() else ("fp32",), device=device)
-    if grid.rank == 0:
-        def best(place):
-            rates = [v[0] for v in table_["all_reduce"].get(place, {}).values()]
-            return min(rates) if rates else None
-
-        doc = {"name": f"measured-{os.uname().nodename}", "backend": torch.distributed.get_backend(),
-               "world_size": world, "gpus_per_node": gpn, "intra_node_gbps": best("intra"),
-               "inter_node_gbps": best("inter"), "message_mb": list(sizes_mb), "collectives": table_,
-               "matmuls": matmuls, "source": "memtrain plan --measure"}
-        write_atomic(out, json.dumps(doc, indent=1) + "\n")
-        net = Network(matmuls=matmuls)
-        print(f"wrote {out}: all-reduce " + ", ".join(f"{place} {doc[f'{place}_node_gbps']:.3g} GB/s"
-              for place in ("intra", "inter") if doc[f"{place}_node_gbps"]) + " (slowest group size); best matmul "
-              + ", ".join(f"{p} {net.peak_flops(p) / 1e9:.3g} GFLOP/s" for p in matmuls) + " per rank")
-    parallel.shutdown()

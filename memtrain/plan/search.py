@@ -2,10 +2,11 @@
 
 For every factorization of N the model's sizes and the batch allow (the architectures' divisibility rules),
 the planner estimates per-rank memory (parameters, gradients, AdamW state, activations) and drops grids that
-do not fit the device; then it predicts the time of one optimizer step and ranks grids by it: one rank's matmul
-time (compute.py: the FLOPs of its shards at the machine's rate for their shapes, which fall as shards get thin)
-plus the communication overlap cannot hide, from cost.py's exact records, each at the bandwidth of where its
-group sits (network.py). MFU is the unsharded model's FLOPs over the predicted step time and the GPUs' peak.
+do not fit the device; then it predicts the time of one optimizer step and ranks grids by it: one rank's compute
+time (compute.py: the FLOPs of its shards at the machine's rate for their shapes, which fall as shards get thin,
+and what a step spends besides matmuls) plus the communication overlap cannot hide, from cost.py's exact records,
+each at the bandwidth of where its group sits (network.py). MFU is the unsharded model's FLOPs over the predicted
+step time and the GPUs' peak.
 With `offload` (train.optimizer_offload) the AdamW state leaves the device for the host, the step pays the
 device<->host copies, and `fewest_gpus` says how many GPUs the model needs with and without it.
 """
@@ -63,7 +64,7 @@ class Plan:
     step_seconds: float
     """Predicted time of one optimizer step: compute + the communication overlap leaves exposed (compute.py)."""
     compute_seconds: float
-    """One rank's matmul time per step."""
+    """One rank's compute time per step: matmuls, and the non-matmul term (`other_seconds`)."""
     comm_seconds: float
     """Every collective of the step one after another (communication alone, before overlap)."""
     flops: float
@@ -80,6 +81,9 @@ class Plan:
     """Bytes per rank in host memory (offload: master weights, AdamW moments, step scalars, gradient staging)."""
     host_traffic: int = 0
     """Bytes per rank per step between device and host (offload: gradients down, weights up)."""
+    other_seconds: float = 0.0
+    """The part of compute_seconds that is not matmuls: kernels' fixed cost, elementwise work, AdamW, attention's
+    softmax (compute.py; 0 on a machine without those rates)."""
 
     @property
     def grid(self) -> tuple[int, int, int, int]:
@@ -132,7 +136,7 @@ def device_param_bytes(cfg: PlanConfig) -> int:
 def evaluate(shape, grid: Grid, mode: str, cfg: PlanConfig, net: Network, micro: int) -> Plan:
     """Predicted time, bytes and memory of one grid at a given micro-batch. With offload the device<->host
     copies count in full at host_gbps (the gradients' copies overlap the all-reduce, the weights' the next
-    bucket's math; the host's AdamW time, like every non-matmul time, is not modelled)."""
+    bucket's math; the host's AdamW time is not modelled)."""
     pb = device_param_bytes(cfg)
     kw = dict(precision=cfg.precision, param_bytes=pb)
     records = cost.step_records(shape, grid, mode, cfg.batch, cfg.seq, micro,
@@ -154,9 +158,9 @@ def evaluate(shape, grid: Grid, mode: str, cfg: PlanConfig, net: Network, micro:
     gradients = cost.gradient_records(shape, grid, mode, pb)
     comm = compute.comm_seconds(records, gradients, seconds.__getitem__)
     work = compute.step_compute(shape, grid, mode, cfg.batch, cfg.seq, micro, net, cfg.precision,
-                                cfg.activation_checkpointing)
+                                cfg.activation_checkpointing, cfg.offload)
     host, traffic = 0, 0
-    step = compute.step_seconds(work.seconds, work.last_backward_seconds, comm)
+    step = compute.step_seconds(work.seconds, work.last_backward_seconds, comm, work.optimizer_seconds)
     if cfg.offload:
         host = sum(cost.host_bytes(shape, grid, mode, pb).values())
         traffic = cost.offload_traffic(shape, grid, mode, pb, host_is_device=cfg.host_gbps == 0)
@@ -165,7 +169,7 @@ def evaluate(shape, grid: Grid, mode: str, cfg: PlanConfig, net: Network, micro:
                 compute_seconds=work.seconds, comm_seconds=sum(comm.values()), flops=work.flops,
                 mfu=work.model_flops / (step * grid.world_size * net.peak_flops(cfg.precision)),
                 moved_bytes=sum(a["moved"] for a in axes.values()), memory=memory, axes=axes,
-                host_memory=host, host_traffic=traffic)
+                host_memory=host, host_traffic=traffic, other_seconds=work.other_seconds)
 
 
 def plan(cfg: PlanConfig, net: Network) -> tuple[list[Plan], dict]:

@@ -9,6 +9,12 @@
   (FLOPs alone cannot tell a [t, 8] x [8, 64] shard from a [t, 64] x [64, 8] one). All integers from shapes:
   equal, exactly. Left out on both sides: the rotary table's bmm (b x head_dim x seq FLOPs, no weight or
   attention product).
+- Kernels besides matmuls, attention and collectives (views, allocations and the optimizer's step excluded): the
+  count the non-matmul term multiplies by its per-kernel rate, against what the dispatcher runs in those steps
+  (probes.Kernels, the count the per-kernel probe divides by).
+- The non-matmul term: each rate alone adds exactly its count's product; AdamW's elements follow the shards (Z
+  halves them); kernels follow the grid (easy mode's re-layouts on x = 2 and more on x = y = 2); attention measured
+  slower than its products adds the difference, measured faster adds nothing.
 - Overlap arithmetic: cases each of which a plausible wrong formula gets wrong.
 - Records by overlap class; the matmul rate table (interpolation, edges, a precision not measured); the search
   ranks by predicted step time, with MFU from it.
@@ -17,16 +23,18 @@
 import json
 import math
 from collections import Counter
+from contextlib import contextmanager
 
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
+import parallel
 from memtrain.config import RunConfig
 from memtrain.hf import parallelize
 from memtrain.models import build_model
-from memtrain.plan import compute, cost, network, search
+from memtrain.plan import compute, cost, network, probes, search
 from memtrain.training import build_optimizer, train_step
 from parallel import Grid
 from parallel.forked import run_ranks
@@ -70,6 +78,35 @@ class MatmulShapes(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+class Kernels(probes.Kernels):
+    """The probe's count of kernels, paused while `without`'s calls run."""
+
+    on = True
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if self.on:
+            return super().__torch_dispatch__(func, types, args, kwargs)
+        return func(*args, **(kwargs or {}))
+
+    @contextmanager
+    def without(self, obj, name):
+        """obj.name (the optimizer's step, the gradient clipping before it) runs uncounted inside."""
+        fn = getattr(obj, name)
+
+        def paused(*a, **kw):
+            self.on = False
+            try:
+                return fn(*a, **kw)
+            finally:
+                self.on = True
+
+        setattr(obj, name, paused)
+        try:
+            yield
+        finally:
+            setattr(obj, name, fn)
+
+
 def _model(family, device):
     return step_model(family, (), device)
 
@@ -108,9 +145,10 @@ def _worker(rank, world):
         opt = build_optimizer(plm, RunConfig())
         vocab = plm.config.vocab_size
         ids, labels = torch.randint(0, vocab, (B, S), generator=g), torch.randint(0, vocab, (B, S), generator=g)
-        with counter() as fc, MatmulShapes() as mm:
+        with counter() as fc, MatmulShapes() as mm, Kernels() as k, k.without(opt, "step"), \
+                k.without(parallel, "clip_grad_norm_"):
             train_step(plm, grid, opt, ids, labels, labels != -100, micro_batch(degrees, mode), overlap=True)
-        out[case] = (*split(fc), mm.shapes)
+        out[case] = (*split(fc), mm.shapes, k.n)
     return out
 
 
@@ -136,6 +174,8 @@ def test_per_rank_flops_equal_the_counter(counted, case):
         assert got[case][:2] == (matmul, att), (rank, got[case][:2], (matmul, att))
         assert got[case][2] == shapes, (rank, sorted((got[case][2] - shapes).items()),
                                         sorted((shapes - got[case][2]).items()))
+        kernels = compute.kernel_ops(shape, grid, mode, n_micro, recompute)
+        assert kernels == pytest.approx(got[case][3], rel=0.05), (rank, kernels, got[case][3])
     assert compute.step_compute(shape, grid, mode, B, S, micro, network.Network(),
                                 checkpointing=recompute).flops == matmul + att
 
@@ -144,16 +184,17 @@ def test_per_rank_flops_equal_the_counter(counted, case):
 # Overlap.
 
 
-@pytest.mark.parametrize("compute_s, last_backward, comm, want, wrong", [
-    (1.0, 0.5, {"blocking": 0.5, "weights": 0.0, "grads": 0.0}, 1.5, "blocking hidden"),
-    (10.0, 2.0, {"blocking": 2.0, "weights": 1.0, "grads": 0.0}, 12.0, "blocking hidden"),
-    (10.0, 2.0, {"blocking": 0.0, "weights": 4.0, "grads": 1.0}, 10.0, "overlap not credited"),
-    (10.0, 2.0, {"blocking": 0.0, "weights": 0.0, "grads": 3.0}, 11.0, "gradients hidden behind all compute"),
-    (10.0, 5.0, {"blocking": 0.0, "weights": 8.0, "grads": 4.0}, 12.0, "each kind hidden on its own"),
-    (10.0, 2.0, {"blocking": 1.0, "weights": 9.0, "grads": 5.0}, 15.0, "the larger excess, not one or both"),
+@pytest.mark.parametrize("compute_s, last_backward, comm, optimizer, want, wrong", [
+    (1.0, 0.5, {"blocking": 0.5, "weights": 0.0, "grads": 0.0}, 0.0, 1.5, "blocking hidden"),
+    (10.0, 2.0, {"blocking": 2.0, "weights": 1.0, "grads": 0.0}, 0.0, 12.0, "blocking hidden"),
+    (10.0, 2.0, {"blocking": 0.0, "weights": 4.0, "grads": 1.0}, 0.0, 10.0, "overlap not credited"),
+    (10.0, 2.0, {"blocking": 0.0, "weights": 0.0, "grads": 3.0}, 0.0, 11.0, "gradients hidden behind all compute"),
+    (10.0, 5.0, {"blocking": 0.0, "weights": 8.0, "grads": 4.0}, 0.0, 12.0, "each kind hidden on its own"),
+    (10.0, 2.0, {"blocking": 1.0, "weights": 9.0, "grads": 5.0}, 0.0, 15.0, "the larger excess, not one or both"),
+    (10.0, 2.0, {"blocking": 0.0, "weights": 7.0, "grads": 1.0}, 4.0, 12.0, "communication hidden behind AdamW"),
 ])
-def test_step_time_overlap(compute_s, last_backward, comm, want, wrong):
-    assert compute.step_seconds(compute_s, last_backward, comm) == pytest.approx(want), wrong
+def test_step_time_overlap(compute_s, last_backward, comm, optimizer, want, wrong):
+    assert compute.step_seconds(compute_s, last_backward, comm, optimizer) == pytest.approx(want), wrong
 
 
 def test_records_by_overlap_class():
@@ -168,6 +209,74 @@ def test_records_by_overlap_class():
     assert got["blocking"] == sum(records.values()) - weights - 2
     loss_sums = Counter({r: n for r, n in records.items() if r.axes == "z+data" and r.nbytes == 32})
     assert sum(loss_sums.values()) == 1 and not loss_sums & grads  # same op and axes as a gradient bucket
+
+
+# --------------------------------------------------------------------------------------------------
+# The non-matmul term.
+
+
+def _ladder():
+    return cost.shape_of(search.load_config("ladder-1m"))
+
+
+def _work(net, degrees, mode="sharded", micro=None, **kw):
+    """One step of ladder-1m, 16 sequences of 64 tokens."""
+    return compute.step_compute(_ladder(), Grid(*degrees), mode, 16, 64, micro, net, **kw)
+
+
+def test_each_rate_adds_its_count_times_it():
+    shape, degrees = _ladder(), (2, 2, 2, 1)
+    grid, micro, n_micro = Grid(*degrees), 2, 4  # 8 sequences per rank
+    base = _work(network.Network(), degrees, micro=micro)
+    params = cost.parameters(shape, grid, "sharded")
+    for net, want in [
+        (network.Network(op_overhead_s=1e-5), 1e-5 * compute.kernel_ops(shape, grid, "sharded", n_micro)),
+        (network.Network(elementwise={"loss": 1e-9}),
+         1e-9 * n_micro * compute.micro_elements(shape, grid, "sharded", micro, 64)["loss"]),
+        (network.Network(optimizer=[1e-9, 1e-6]), 1e-9 * sum(v for v, _ in params) + 1e-6 * len(params)),
+    ]:
+        work = _work(net, degrees, micro=micro)
+        assert want > 0 and work.other_seconds == pytest.approx(want)
+        assert work.seconds == pytest.approx(base.seconds + want) and work.flops == base.flops
+    adamw = network.Network(optimizer=[1e-9, 1e-6])
+    assert _work(adamw, degrees).optimizer_seconds == _work(adamw, degrees).other_seconds  # AdamW is all of it
+    assert _work(adamw, degrees, offload=True).other_seconds == 0  # offloaded: on the host, not counted
+
+
+def test_adamw_follows_the_shards():
+    """Over Z a rank updates half the matrices' values of data = 2 (norms stay whole over Z): about half the time."""
+    net = network.Network(optimizer=[1e-9, 0.0])
+    data, z = (_work(net, g).optimizer_seconds for g in ((2, 1, 1, 1), (1, 1, 1, 2)))
+    assert 0.5 < z / data < 0.55
+
+
+def test_kernels_follow_the_grid():
+    """Easy mode: an x = 2 grid re-lays every Linear's rows (more kernels than data = 2), more still when y splits
+    too. Sharded mode (as the dispatcher counts it): x = 2 clones each norm statistic's all-reduce, forward and
+    backward (2 per statistic over y = 2), data = 2 copies every gradient out of its bucket (1 per tensor)."""
+    shape = _ladder()
+    kernels = {(mode, g): compute.kernel_ops(shape, Grid(*g), mode) for mode in ("sharded", "easy")
+               for g in ((2, 1, 1, 1), (1, 2, 1, 1), (1, 1, 2, 1), (1, 2, 2, 1))}
+    x, data, plane = (kernels["easy", g] for g in ((1, 2, 1, 1), (2, 1, 1, 1), (1, 2, 2, 1)))
+    assert data < x < plane and plane - x > x - data
+    statistics = 2 * shape.layers + 1  # ladder-1m: two RMSNorms a block, and the final one
+    assert kernels["sharded", (1, 2, 1, 1)] - kernels["sharded", (1, 1, 2, 1)] == 2 * statistics
+    assert kernels["sharded", (2, 1, 1, 1)] - kernels["sharded", (1, 1, 2, 1)] == len(cost.parameters(
+        shape, Grid(2, 1, 1, 1), "sharded"))
+
+
+def test_attention_counts_only_beyond_its_products():
+    """A measured attention kernel twice as slow as its products at the matmul rate adds the difference; one
+    faster adds nothing."""
+    shape, degrees = _ladder(), (2, 2, 2, 1)
+    forward, _ = compute.attention(shape, Grid(*degrees), "sharded", 4, 64)
+    forward_s = forward / 2e9  # one micro-batch's, at the matmul rate
+    scores = 4 * 64 * 64 * shape.heads // 2 * shape.layers
+    for factor, want in [(2.0, 2 * forward_s * (1 + compute.FLASH_BACKWARD)), (0.01, 0.0)]:  # two micro-batches
+        net = _net((2.0, 2.0))
+        net.attention = {"fp32": {"head_dims": [shape.head_dim], "seconds": [
+            [factor * forward_s / scores, factor * compute.FLASH_BACKWARD * forward_s / scores]]}}
+        assert _work(net, degrees, micro=4).other_seconds == pytest.approx(want)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -195,9 +304,9 @@ def test_matmul_rate_interpolates_in_log_size():
 
 def test_measured_matmul_table_is_filled_and_read(monkeypatch, tmp_path):
     """The probe's table (shapes beyond the budget take the best rate timed inside them) through a JSON file."""
-    monkeypatch.setattr(network, "MATMUL_DIMS", (8, 16))
-    monkeypatch.setattr(network, "MATMUL_BUDGET", {"cpu": 8 * 16 * 16})
-    table = network.measure_matmuls(("fp32",), min_seconds=0.0)["fp32"]
+    monkeypatch.setattr(probes, "MATMUL_DIMS", (8, 16))
+    monkeypatch.setattr(probes, "MATMUL_BUDGET", {"cpu": 8 * 16 * 16})
+    table = probes.measure_matmuls(("fp32",), min_seconds=0.0)["fp32"]
     assert table["dims"] == [8, 16]
     g = table["gflops"]
     assert all(r > 0 for plane in g for row in plane for r in row)

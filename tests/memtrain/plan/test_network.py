@@ -1,0 +1,79 @@
+"""The measured table's rates of what a step spends besides matmuls (memtrain/plan/network.py, probes.py).
+
+- A table written before these rates were measured still loads, and counts no non-matmul time; a table with them
+  round-trips through JSON; a damaged entry is one error naming it.
+- Attention's rate per score interpolates in log head size and holds the edges.
+- The probes, on one process at small sizes: every rate finite and positive, in a table `--bandwidth` reads.
+"""
+
+import json
+import math
+
+import pytest
+
+from memtrain.plan import compute, cost, network, probes, search
+from parallel import Grid
+
+OTHER = {"op_overhead_s": 5e-6, "elementwise": {"norm": 2e-9, "loss": 3e-9}, "optimizer": [4e-9, 2e-5],
+         "attention": {"fp32": {"head_dims": [8, 32], "seconds": [[1e-9, 2e-9], [4e-9, 8e-9]]}}}
+
+
+def _load(tmp_path, doc) -> network.Network:
+    path = tmp_path / "bw.json"
+    path.write_text(json.dumps(doc))
+    return network.load_network(bandwidth=str(path))
+
+
+def _step(net):
+    """One step of ladder-1m on a 2 x 2 x 2 sharded grid."""
+    shape = cost.shape_of(search.load_config("ladder-1m"))
+    return compute.step_compute(shape, Grid(2, 2, 2, 1), "sharded", 16, 64, None, net)
+
+
+def test_a_table_without_the_rates_loads_and_counts_no_other_time(tmp_path):
+    older = {"gpus_per_node": 8, "matmuls": {"fp32": {"dims": [8, 32], "gflops": [[[2.0] * 2] * 2] * 2}}}
+    net = _load(tmp_path, older)
+    assert (net.op_overhead_s, net.elementwise, net.optimizer, net.attention) == (0.0, {}, [], {})
+    work = _step(net)
+    assert work.other_seconds == work.optimizer_seconds == 0.0
+    assert work.seconds == pytest.approx(work.flops / 2e9)  # matmuls and attention, all at the one rate
+    assert net.attention_seconds(8, "fp32") is None
+
+
+def test_a_table_with_the_rates_round_trips(tmp_path):
+    net = _load(tmp_path, {"gpus_per_node": 8, **OTHER})
+    assert (net.op_overhead_s, net.elementwise, net.optimizer) == (5e-6, OTHER["elementwise"], [4e-9, 2e-5])
+    assert _step(net).other_seconds > 0
+
+
+@pytest.mark.parametrize("key, value", [
+    ("op_overhead_s", -1e-6), ("op_overhead_s", math.inf), ("elementwise", {"gelu": 1e-9}),
+    ("elementwise", {"norm": -1.0}), ("optimizer", [1e-9]), ("optimizer", [1e-9, "fast"]),
+    ("attention", {"fp32": {"head_dims": [32, 8], "seconds": [[1e-9, 1e-9]] * 2}}),
+    ("attention", {"fp32": {"head_dims": [8], "seconds": [[1e-9, 0.0]]}}),
+])
+def test_a_damaged_rate_is_one_error_naming_it(tmp_path, key, value):
+    with pytest.raises(ValueError, match=f"bandwidth table .*: {key}"):
+        _load(tmp_path, {key: value})
+
+
+def test_attention_rate_interpolates_in_log_head_size():
+    net = network.Network(attention=OTHER["attention"])
+    assert net.attention_seconds(8, "fp32") == pytest.approx((1e-9, 2e-9))
+    assert net.attention_seconds(16, "fp32") == pytest.approx((2e-9, 4e-9))  # halfway in log2: geometric mean
+    assert net.attention_seconds(4, "fp32") == pytest.approx((1e-9, 2e-9))  # edges held
+    assert net.attention_seconds(128, "fp32") == pytest.approx((4e-9, 8e-9))
+    assert net.attention_seconds(16, "bf16") is None
+
+
+def test_probed_rates_are_positive_and_load(monkeypatch, tmp_path):
+    monkeypatch.setattr(probes, "ELEMENTS", {"cpu": (2**12, 2**14)})
+    monkeypatch.setattr(probes, "OPTIMIZER_ELEMENTS", {"cpu": 2**14})
+    monkeypatch.setattr(probes, "ATTENTION_SHAPE", {"cpu": (2, 32)})
+    other = probes.measure_other(("fp32",), min_seconds=0.0)
+    rates = [other["op_overhead_s"], *other["elementwise"].values(), *other["optimizer"]]
+    rates += [r for pair in other["attention"]["fp32"]["seconds"] for r in pair]
+    assert set(other["elementwise"]) == set(network.ELEMENTWISE)
+    assert all(math.isfinite(r) and r > 0 for r in rates), other
+    net = _load(tmp_path, other)
+    assert net.attention_seconds(64, "fp32") is not None and _step(net).other_seconds > 0
