@@ -3,8 +3,9 @@ results reader all use (importable without torch, so `memtrain plot` starts fast
 
     runs/my-run/
       config.toml          the resolved config (a recipe may also sit here before the run starts)
-      run.json             grid, parameters, learning rate, precision, the stream's key, what was trained, and
-                           the config it trained with (what --resume checks config.toml against)
+      run.json             grid, parameters, learning rate, precision, MFU's peak and its source, the stream's
+                           key, what was trained, and the config it trained with (what --resume checks
+                           config.toml against)
       metrics.jsonl        one line per logged step
       passes.jsonl         the canaries scored after every pass (eval.every_pass)
       canaries.jsonl       the manifest: every canary copy's step, data-parallel rank, sequence and offset
