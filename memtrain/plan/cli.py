@@ -156,7 +156,6 @@ def parse_grid(text: str, gpus: int) -> tuple[int, int, int, int]:
 
 def validate(args, cfg: PlanConfig, net, start: float) -> int:
     """`plan --validate`: the dry run of one grid against the planner; 1 when an exact figure differs."""
-    from memtrain.config import ParallelConfig
     from memtrain.plan import dryrun
 
     cfg.batch = cfg.batch or cfg.gpus
@@ -168,10 +167,6 @@ def validate(args, cfg: PlanConfig, net, start: float) -> int:
         cfg.micro_batch = cfg.micro_batch or plans[0].micro_batch  # choose_micro would search again for it
         print(f"validating the best plan's grid: data={grid[0]} x={grid[1]} y={grid[2]} z={grid[3]}")
     cfg.micro_batch = dryrun.choose_micro(cfg, grid, net)
-    trainer, modelled = ParallelConfig().grad_sync, dryrun.MODELLED_GRAD_SYNC
-    if args.grad_sync is None and modelled != trainer:
-        print(f"the planner models grad_sync={modelled} (the trainer's default is {trainer}): validating that; "
-              f"--grad-sync {trainer} runs the other")
     run = dryrun.dry_run(cfg, grid, rank=args.rank, grad_sync=args.grad_sync, steps=args.steps)
     print(dryrun.header(run))
     print(dryrun.table(run))

@@ -134,7 +134,7 @@ class DryRun:
 # The run.
 
 
-MODELLED_GRAD_SYNC = ParallelConfig.grad_sync
+DEFAULT_GRAD_SYNC = ParallelConfig.grad_sync
 """The gradient sync the dry run runs unless told: the trainer's default (parallel.grad_sync), whose buckets
 cost.gradient_buckets cuts as parallel.GradSync does; "blocking" (one flat all-reduce per set of reduce axes) is
 modelled too."""
@@ -167,7 +167,7 @@ def choose_micro(cfg: PlanConfig, grid: tuple[int, ...], net: Network | None) ->
 def dry_run(cfg: PlanConfig, grid: tuple[int, int, int, int], *, rank: int = 0, overlap: bool = True,
             grad_sync: str | None = None, steps: int = 1) -> DryRun:
     """One optimizer step of `cfg` on `grid` (data, x, y, z) as rank `rank` of a fake world; see the module
-    docstring. cfg.micro_batch must be set (choose_micro); grad_sync None is MODELLED_GRAD_SYNC. `steps` > 1
+    docstring. cfg.micro_batch must be set (choose_micro); grad_sync None is DEFAULT_GRAD_SYNC. `steps` > 1
     runs that many steps and measures the last: the overlapped sync cuts its buckets in reverse registration
     order on the first step, then in the order the first backward made the gradients final (predicted as such)."""
     import torch.distributed as dist
@@ -190,7 +190,7 @@ def dry_run(cfg: PlanConfig, grid: tuple[int, int, int, int], *, rank: int = 0, 
     t0 = time.perf_counter()
     _, mode, shape = _checked(cfg, grid)
     amp = torch.bfloat16 if cfg.precision == "bf16" else None
-    step_kw = {"overlap": overlap, "grad_sync": grad_sync or MODELLED_GRAD_SYNC}
+    step_kw = {"overlap": overlap, "grad_sync": grad_sync or DEFAULT_GRAD_SYNC}
 
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     try:
@@ -316,4 +316,4 @@ def to_json(run: DryRun) -> dict:
     }
 
 
-__all__ = ["Check", "DryRun", "Record", "MODELLED_GRAD_SYNC", "choose_micro", "dry_run", "header", "table", "to_json"]
+__all__ = ["Check", "DryRun", "Record", "DEFAULT_GRAD_SYNC", "choose_micro", "dry_run", "header", "table", "to_json"]
