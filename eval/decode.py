@@ -111,6 +111,13 @@ def _accepts(fn, name: str) -> bool:
         return False
 
 
+def cache_name(model) -> str:
+    """The keyword a transformers model takes its KV cache by, and the output field it returns it in: `cache` from
+    transformers 5.24 on (where the old name still works but logs a deprecation warning into the output),
+    `past_key_values` before."""
+    return "cache" if _accepts(model.forward, "cache") else "past_key_values"
+
+
 class HFStepper:
     """Stepper for transformers causal LMs (Llama, GPT-NeoX, GPT-2, ... anything with a KV cache)."""
 
@@ -123,6 +130,7 @@ class HFStepper:
             self._keep = {"num_logits_to_keep": 1}
         else:
             self._keep = {}
+        self._cache = cache_name(model)
 
     def new_cache(self, batch_size: int, max_len: int):
         config = self.model.config
@@ -138,8 +146,8 @@ class HFStepper:
 
     def __call__(self, input_ids, attention_mask, position_ids, cache):
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                         past_key_values=cache, use_cache=True, **self._keep)
-        return out.logits[:, -1], out.past_key_values
+                         use_cache=True, **{self._cache: cache}, **self._keep)
+        return out.logits[:, -1], out[self._cache]
 
 
 def as_stepper(model_or_step) -> Stepper:
@@ -322,20 +330,20 @@ def continuation_logprobs(model_or_fn, context: Sequence[int], continuations: Se
     if not isinstance(model_or_fn, torch.nn.Module):
         return _concatenated(partial(sequence_logprobs, model_or_fn), context, continuations, batch_size, pad_id)
     model, device, p = model_or_fn, _device_of(model_or_fn), len(context)
-    past, context_lp = None, np.zeros(0)
+    past, context_lp, name = None, np.zeros(0), cache_name(model)
     if p > 1:
         ids = torch.as_tensor([list(context)], dtype=torch.long, device=device)
         out = model(input_ids=ids[:, :-1], use_cache=True)
         logp = torch.log_softmax(out.logits.float(), dim=-1)
         context_lp = logp.gather(-1, ids[:, 1:, None])[0, :, 0].double().cpu().numpy()
-        past = out.past_key_values
+        past = out[name]
 
     def logits_fn(ids):  # a fresh copy of the context's cache per batch: the forward appends to it
         cache = copy.deepcopy(past)
         if cache is not None:
             cache.batch_repeat_interleave(ids.shape[0])
         pos = torch.arange(p - 1, p - 1 + ids.shape[1], device=ids.device).expand(ids.shape[0], -1)
-        return model(input_ids=ids, position_ids=pos, past_key_values=cache, use_cache=cache is not None).logits
+        return model(input_ids=ids, position_ids=pos, use_cache=cache is not None, **{name: cache}).logits
 
     rows = [i for i, c in enumerate(continuations) if len(c)]
     lps = _scored(logits_fn, device, [[context[-1], *continuations[i]] for i in rows], batch_size, False,

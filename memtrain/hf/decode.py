@@ -22,7 +22,7 @@ and `GridModel` hands them to eval's metrics, so extraction, exposure and MIA ru
 
 Vocabulary-parallel argmax (`parallel.vocab_parallel_argmax`): the LM head's logits stay split over its
 vocabulary axis (Y); one all-gather of each member's (max, first index) over Y picks the winner, ties going
-to the lowest index as in `torch.argmax`. The HF modules inside the ParallelLM handle `past_key_values`,
+to the lowest index as in `torch.argmax`. The HF modules inside the ParallelLM handle the KV cache,
 attention masks and position ids themselves; the KV cache holds this rank's heads only (sharded mode) or all
 heads (easy).
 """
@@ -36,7 +36,7 @@ from contextlib import contextmanager
 import numpy as np
 import torch
 
-from eval.decode import Evaluable, HFStepper, SeqLogprobs, greedy_decode_batch, pad_left
+from eval.decode import Evaluable, HFStepper, SeqLogprobs, cache_name, greedy_decode_batch, pad_left
 from parallel import IGNORE_INDEX, comm, vocab_parallel_argmax
 
 
@@ -78,9 +78,9 @@ class ParallelStepper(HFStepper):
 
     def __call__(self, input_ids, attention_mask, position_ids, cache):
         out = self.plm.model.base_model(input_ids=input_ids, attention_mask=attention_mask,
-                                        position_ids=position_ids, past_key_values=cache, use_cache=True)
+                                        position_ids=position_ids, use_cache=True, **{self._cache: cache})
         hidden = out[0][:, -1]  # [B, H/x] (sharded) or [B, H] (easy)
-        return ShardedLogits(self.plm.head.logits(hidden), self.plm.head, input_ids.shape[0]), out.past_key_values
+        return ShardedLogits(self.plm.head.logits(hidden), self.plm.head, input_ids.shape[0]), out[self._cache]
 
 
 @contextmanager
@@ -208,12 +208,12 @@ def parallel_continuation_logprobs(plm, context: Sequence[int], continuations: S
     """
     if len(context) == 0:
         raise ValueError("continuations need a non-empty context (their first token needs one)")
-    device, last = next(plm.parameters()).device, len(context) - 1
+    device, last, name = next(plm.parameters()).device, len(context) - 1, cache_name(plm.model.base_model)
 
     def log_probs(ids, labels, past, start):  # -> (log p(labels) [b, width], the cache after ids)
         pos = torch.arange(start, start + ids.shape[1], device=device).expand(ids.shape[0], -1)
-        out = plm.model.base_model(input_ids=ids, position_ids=pos, past_key_values=past, use_cache=True)
-        return plm.head.log_probs(out[0], labels)[0], out.past_key_values
+        out = plm.model.base_model(input_ids=ids, position_ids=pos, use_cache=True, **{name: past})
+        return plm.head.log_probs(out[0], labels)[0], out[name]
 
     past, context_lp = None, np.zeros(0)
     rows = [i for i, c in enumerate(continuations) if len(c)]
