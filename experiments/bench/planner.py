@@ -36,12 +36,12 @@ import argparse
 import os
 import statistics
 import time
+from functools import partial
 
 import torch
-import torch.distributed as dist
 
 import parallel
-from experiments.bench.common import kendall_tau, machine, spearman, table, top_k_recall, write_json
+from experiments.bench.common import kendall_tau, machine, spearman, table, timed_rounds, top_k_recall, write_json
 from memtrain.config import RunConfig
 from memtrain.hf import parallelize
 from memtrain.models import build_model
@@ -87,19 +87,10 @@ def worker(rank: int, world: int, args) -> dict:
     vocab = next(iter(runs.values()))[0].config.vocab_size
     ids = torch.randint(0, vocab, (args.batch, args.seq), generator=g)
     labels = torch.randint(0, vocab, (args.batch, args.seq), generator=g)
-    times, measured = {key: [] for key in runs}, []
-    keys = list(runs)
-    for r in range(args.warmup + args.rounds):
-        measured.append(probes(rank, world))
-        for key in keys[r % len(keys):] + keys[:r % len(keys)]:
-            plm, grid, opt = runs[key]
-            dist.barrier()
-            start = time.perf_counter()
-            train_step(plm, grid, opt, ids, labels, labels != -100, args.batch, overlap=True)
-            elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
-            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-            if r >= args.warmup:
-                times[key].append(float(elapsed))
+    measured = []
+    times, _ = timed_rounds({key: partial(train_step, plm, grid, opt, ids, labels, labels != -100, args.batch,
+                                          overlap=True) for key, (plm, grid, opt) in runs.items()},
+                            args.warmup, args.rounds, before_round=lambda: measured.append(probes(rank, world)))
     return {"network": median_table(measured), "times": {k: statistics.median(v) for k, v in times.items()}}
 
 
