@@ -67,7 +67,7 @@ class ParallelConfig:
     tune_matmul: bool | None = None
     """Time each sharded Linear's GEMMs (forward, input and weight gradient) in a few memory layouts at first
     use and keep the fastest, one choice for every rank (parallel.tune_matmul); None: the engine's default for
-    the device (off on CPUs, measured; on for CUDA, unmeasured)."""
+    the device (off on CPUs and on CUDA, both measured: parallel.gemm_tuning.DEFAULT_ON)."""
     tune_matmul_cache: str | None = None
     """JSON file of the tuned choices, read at the start and extended with new ones, so a later run on the same
     machine reads them instead of timing; None: gemm_tuning.json in the run directory (a resumed run then runs

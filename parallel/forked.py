@@ -40,10 +40,23 @@ def _child(rank, world_size, init_file, fn, args, q, backend, pg_timeout):
         q.put((rank, "error", traceback.format_exc()))
 
 
+def _context():
+    if not torch.cuda.is_available():
+        return mp.get_context("fork")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload([__name__])  # torch imported once, in the server
+    return ctx
+
+
 def run_ranks(world_size: int, fn, *args, timeout: float = 600.0, backend: str = "gloo",
               pg_timeout: float = 120.0) -> list:
-    """Run fn(rank, world_size, *args) on `world_size` forked ranks (one torch thread each); results by rank."""
-    ctx = mp.get_context("fork")
+    """Run fn(rank, world_size, *args) on `world_size` forked ranks (one torch thread each); results by rank.
+
+    On a machine with a GPU, a process that has run one backward pass cannot fork a working rank: autograd then
+    starts a thread per GPU, and a forked child refuses autograd (as it refuses CUDA once the parent used it).
+    There the ranks are forked by a fork server instead, a clean process started once per parent, and fn and
+    args must be picklable (module-level functions)."""
+    ctx = _context()
     q = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "rendezvous")

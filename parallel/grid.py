@@ -58,6 +58,15 @@ class Grid:
         return self.data * self.x * self.y * self.z
 
     @property
+    def device(self) -> torch.device:
+        """Where this rank's tensors live: its CUDA device when the process group runs NCCL (parallel.init set it
+        from LOCAL_RANK), else the CPU, also on a machine with a GPU: under gloo (forked CPU ranks cannot touch
+        CUDA) and for a grid made by hand without a process group (tests, simulation)."""
+        if dist.is_initialized() and dist.get_backend() == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    @property
     def tensor_parallel_size(self) -> int:
         return self.x * self.y * self.z
 
@@ -228,7 +237,12 @@ def init(data: int = -1, x: int = 1, y: int = 1, z: int = 1, *, backend: str | N
         degrees = resolve_degrees(world, data, x, y, z)
         backend = backend or default_backend()
         if backend == "nccl":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+            local, gpus = int(os.environ.get("LOCAL_RANK", "0")), torch.cuda.device_count()
+            if local >= gpus:
+                raise ValueError(f"LOCAL_RANK={local} under NCCL, but this node shows {gpus} GPU(s): start one "
+                                 "process per GPU (torchrun --nproc-per-node, srun --ntasks-per-node), or set "
+                                 "parallel.backend='gloo' for CPU ranks")
+            torch.cuda.set_device(local)
         timeout = datetime.timedelta(seconds=timeout_s)
         if env:  # the rendezvous init_method="env://" does, keeping its store for peers.lost
             store, rank, world = next(dist.rendezvous("env://", rank, world, timeout=timeout))

@@ -193,12 +193,10 @@ class ParallelLM(nn.Module):
         return out
 
 
-def _target_device(src: torch.device, device) -> torch.device:
+def _target_device(src: torch.device, device, grid) -> torch.device:
     if device is not None:
         return torch.device(device)
-    if src.type != "meta":
-        return src
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    return src if src.type != "meta" else grid.device
 
 
 def parallelize(model, grid=None, mode: str = "auto", seed: int = 0, *, device=None,
@@ -206,7 +204,7 @@ def parallelize(model, grid=None, mode: str = "auto", seed: int = 0, *, device=N
     """Shard an HF causal LM over the grid, replacing its layers in place; returns the ParallelLM.
 
     mode: "sharded" (Llama, GPT-NeoX, GPT-2), "easy" (any model) or "auto" (sharded when possible).
-    device: where shards live; default the model's device, or cuda/cpu for a meta model. device="meta"
+    device: where shards live; default the model's device, or the grid's for a meta model. device="meta"
         builds the sharded shapes without allocating (simulate a grid of any size).
     weights: "seed" draws the engine's seeded init; "model" takes the given model's tensors; "auto"
         (default) loads the checkpoint the model was built from (a from_pretrained model, or the
@@ -225,7 +223,7 @@ def parallelize(model, grid=None, mode: str = "auto", seed: int = 0, *, device=N
     if getattr(model, "_mt_parallelized", False):
         raise ValueError("this model was already parallelized: build a new one")
     first = next(model.parameters())
-    target = _target_device(first.device, device)
+    target = _target_device(first.device, device, grid)
     source = _weights_source(model, weights)
     keys, tied = hf_keys(model)
     num_params = sum(p.numel() for p in model.parameters())

@@ -289,13 +289,13 @@ def measure(out: str, sizes_mb, iters: int) -> None:
         raise ValueError("--measure needs at least 2 processes: run it under torchrun --nproc-per-node G "
                          "(or srun), one process per GPU")
     gpn = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+    device = grid.device
     table_ = measure_table(grid.rank, world, gpn, sizes_mb, iters, device)
     # bf16 only where it beats fp32, as train.precision="auto" decides (on an AVX2-only CPU it is 15-40x slower:
     # minutes of probing for a precision no run would choose); every rank must agree, the probe all-reduces.
     from memtrain.training.perf import bf16_faster
 
-    fast = torch.tensor([float(bf16_faster(device or torch.device("cpu")))], device=device)
+    fast = torch.tensor([float(bf16_faster(device))], device=device)
     torch.distributed.all_reduce(fast, op=torch.distributed.ReduceOp.MIN)
     precisions = ("fp32", "bf16") if fast.item() else ("fp32",)
     matmuls = measure_matmuls(precisions, device=device)

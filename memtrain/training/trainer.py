@@ -96,8 +96,7 @@ def _build_stream_once_per_node(cfg: RunConfig, grid: parallel.Grid):
         except (ValueError, OSError) as e:
             error = e
     if grid.world_size > 1:
-        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
-        ok = torch.tensor([0.0 if error else 1.0], device=device)
+        ok = torch.tensor([0.0 if error else 1.0], device=grid.device)
         parallel.comm.all_reduce(ok, grid, parallel.AXES, op=dist.ReduceOp.MIN)
         if error is None and ok.item() == 0.0:
             raise ValueError("building the data stream failed on another node's first rank: see its error")
@@ -134,6 +133,7 @@ def train(cfg: RunConfig, out_dir: str | Path, *, resume: bool = False, force: b
     if grid.rank == 0:
         write_atomic(out / CONFIG, to_toml(cfg))
     if t.deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # else cuBLAS refuses deterministic mode
         torch.use_deterministic_algorithms(True)
     torch.manual_seed(t.seed)
     parallel.tune_matmul(p.tune_matmul, p.tune_matmul_cache or out / "gemm_tuning.json")

@@ -12,9 +12,14 @@ import traceback
 import warnings
 from pathlib import Path
 
+import torch
+
 ROOT = Path(__file__).resolve().parents[2]
 SETTINGS = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1"}
-ENV = dict(os.environ, **SETTINGS, PYTHONPATH=str(ROOT))
+ENV = dict(os.environ, **SETTINGS, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+CPU_RANKS = dict(ENV, CUDA_VISIBLE_DEVICES="")
+"""ENV for the 2-rank torchrun tests: gloo CPU ranks on any machine (NCCL wants a GPU per rank, and a GPU machine
+that runs the tests may have one)."""
 
 
 def memtrain(*args, timeout=600) -> subprocess.CompletedProcess:
@@ -97,7 +102,9 @@ def stdlib_corpus(root: Path, every: int, count: int, chars: int) -> Path:
 
 TINY = {
     "model": {"name": "ladder-1m"},
-    "train": {"batch_size": 8, "max_steps": 6, "lr": 3e-3, "warmup_steps": 2},
+    # bitwise claims (resume equals uninterrupted) hold on a GPU only with deterministic kernels
+    "train": {"batch_size": 8, "max_steps": 6, "lr": 3e-3, "warmup_steps": 2,
+              "deterministic": torch.cuda.is_available()},
     "data": {"vocab_size": 512, "seq_len": 64},
     "canaries": {"number": 2, "copies": [1, 2], "length": 24, "secret_groups": 2},
     "eval": {"suffix_len": 8, "exposure_samples": 64, "val_docs": 8},

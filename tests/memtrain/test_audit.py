@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Llama
 
 from memtrain.scoring import start_ids
 
-from ._helpers import ENV, ROOT, cli, memtrain
+from ._helpers import CPU_RANKS, ROOT, cli, memtrain
 from .test_cli import TORCHRUN
 
 SEEN = ["Jane Roe's card number is 4111 1111 1111 1111.", "The vault opens with 7731-0042 on Tuesdays.",
@@ -121,7 +121,7 @@ def test_on_a_two_rank_grid_equals_one_process(model_dir, canary_file, one_proce
     out = tmp_path / "grid"
     r = subprocess.run([*TORCHRUN, "eval", "--model", str(model_dir), "--canaries", str(canary_file), "--out",
                         str(out), "--suffix-len", str(SUFFIX), "--set", "parallel.x=2"], capture_output=True, text=True,
-                       env=ENV, cwd=ROOT, timeout=600)
+                       env=CPU_RANKS, cwd=ROOT, timeout=600)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     assert r.stdout.count("exact match") == 1  # the table, from rank 0 only
     assert json.loads((out / "eval.json").read_text())["world_size"] == 2

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.memtrain._helpers import ENV, ROOT, cli, memtrain
+from tests.memtrain._helpers import CPU_RANKS, ENV, ROOT, cli, memtrain
 
 COMMANDS = ["train", "eval", "models", "config", "plan", "sweep", "plot", "demo"]
 
@@ -123,7 +123,7 @@ def on_two_ranks(recipe, tmp_path_factory):
     path, _ = recipe
     out = tmp_path_factory.mktemp("two_ranks") / "run"
     r = subprocess.run([*TORCHRUN, "train", "--config", str(path), "--out", str(out), "--set", "parallel.x=2",
-                        "--set", "train.checkpoint_every_min=1e-9"], capture_output=True, text=True, env=ENV,
+                        "--set", "train.checkpoint_every_min=1e-9"], capture_output=True, text=True, env=CPU_RANKS,
                        cwd=ROOT, timeout=600)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     return r, out
@@ -178,7 +178,7 @@ def test_a_distributed_run_evaluates_on_its_grid(on_two_ranks, tmp_path):
     for name in ("eval.json", "eval_canaries.jsonl"):  # the single-process files, for the comparison below
         (one_process / name).write_bytes((out / name).read_bytes())
     one = json.loads((out / "eval.json").read_text())
-    r = subprocess.run([*TORCHRUN, "eval", str(out)], capture_output=True, text=True, env=ENV, cwd=ROOT,
+    r = subprocess.run([*TORCHRUN, "eval", str(out)], capture_output=True, text=True, env=CPU_RANKS, cwd=ROOT,
                        timeout=600)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     assert len([x for x in r.stdout.splitlines() if x.startswith("exact_match_rate=")]) == 1, r.stdout

@@ -106,6 +106,19 @@ def test_init_bad_degrees_fail_before_any_collective(no_pg):
         parallel.init(x=3)
 
 
+def test_nccl_with_more_local_ranks_than_gpus_names_the_rank_and_the_fix(no_pg, monkeypatch):
+    """Two torchrun ranks on a one-GPU node: CUDA would say 'invalid device ordinal' from inside NCCL's setup."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    with pytest.raises(ValueError, match=r"LOCAL_RANK=1 under NCCL, but this node shows 1 GPU.*--nproc-per-node"):
+        parallel.init(backend="nccl")
+
+
+def test_a_grid_without_a_process_group_keeps_its_tensors_on_the_cpu(no_pg):
+    assert parallel.Grid(1, 2, 1, 1).device == torch.device("cpu")
+
+
 def test_slurm_nodelist_first_host():
     assert first_slurm_host("localhost") == "localhost"
     assert first_slurm_host("gpu[003-006,9],login1") == "gpu003"

@@ -81,6 +81,7 @@ def _env(**extra):
     env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     env["OMP_NUM_THREADS"] = "1"
+    env["CUDA_VISIBLE_DEVICES"] = ""  # gloo CPU ranks on any machine (NCCL wants a GPU per rank: test_grid.py)
     env.update({k: str(v) for k, v in extra.items()})
     return env
 

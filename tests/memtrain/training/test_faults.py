@@ -19,7 +19,7 @@ import parallel
 from memtrain import signals
 from memtrain.training import trainer
 from parallel.forked import run_ranks
-from tests.memtrain._helpers import ENV, ROOT, checkpoint_files, memtrain, stdlib_corpus, write_recipe
+from tests.memtrain._helpers import CPU_RANKS, ENV, ROOT, checkpoint_files, memtrain, stdlib_corpus, write_recipe
 
 LONG = ["--set", "train.max_steps=100000", "--set", "train.epochs=1000", "--set", "train.checkpoint_every=0"]
 
@@ -115,8 +115,8 @@ def test_a_killed_rank_is_named_in_one_line_by_the_survivor(recipe, tmp_path, vi
     proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                              "--log-dir", str(logs), "--redirects", "3", "-m", "memtrain", "train", "--config",
                              str(recipe), "--out", str(out), *LONG, "--set", "parallel.data=1", "--set",
-                             "parallel.x=2"], env=ENV, cwd=ROOT, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL,
-                            text=True)
+                             "parallel.x=2"], env=CPU_RANKS, cwd=ROOT, stderr=subprocess.PIPE,
+                            stdout=subprocess.DEVNULL, text=True)
     _wait_for_steps(out, proc)
     ranks = _children(proc.pid)
     assert sorted(ranks) == [0, 1], ranks

@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from tests.memtrain._helpers import ENV, ROOT, cli, memtrain, stdlib_corpus, write_recipe
+from tests.memtrain._helpers import CPU_RANKS, ENV, ROOT, cli, memtrain, stdlib_corpus, write_recipe
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +77,7 @@ def test_resume_on_another_grid(recipe, six_steps, four_steps, tmp_path):
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                         "-m", "memtrain", "train", "--config", str(recipe), "--out", str(out), "--resume",
                         "--set", "parallel.data=1", "--set", "parallel.x=2"],
-                       capture_output=True, text=True, env=ENV, cwd=ROOT, timeout=600)
+                       capture_output=True, text=True, env=CPU_RANKS, cwd=ROOT, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     got, want = losses(out), losses(six_steps)
     assert sorted(got) == sorted(want)

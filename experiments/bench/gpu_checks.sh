@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# The GPU checks of the engine issue, in as few calls as a lent GPU's short lease allows. Run from the repository
+# root on a machine with one CUDA GPU, after installing memtrain's dependencies; logs and JSON go to $OUT (else
+# ./gpu_out). Stages, in the order a lease should spend its minutes (name some to run only those):
+#   bench  experiments.bench.train --device cuda: memtrain's single-GPU step vs a plain PyTorch loop on llama-3.2-1b
+#          (bf16 autocast, fused AdamW, SDPA under document attention): MFU, paired ratio, peak memory
+#   train  `memtrain train` on llama-3.2-1b, bf16, 12 steps, three ways: as is, train.optimizer_offload=true and
+#          parallel.tune_matmul=true; per run the median step time, MFU and peak memory of steps 4..12
+#   tests  the engine and training tests on a machine whose GPU is visible (W&B's tests need wandb: left out)
+#   demo   the main job (`python -m memtrain demo`, what `make TORCH=torch demo` runs once installed), timed
+#   all    bench train tests (the default; demo takes a call of its own)
+set -u
+out=${OUT:-gpu_out}
+mkdir -p "$out"
+export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
+export MEMTRAIN_CACHE=${MEMTRAIN_CACHE:-/tmp/memtrain-cache}
+py=${PYTHON:-python3}
+stages=${*:-all}
+[ "$stages" = all ] && stages="bench train tests"
+
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm --format=csv | tee "$out/gpu.txt"
+$py -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda,
+'transformers', transformers.__version__, torch.cuda.get_device_name(0))" | tee -a "$out/gpu.txt"
+
+median_of_run() {  # one line per run directory: median step time, MFU and peak memory over steps 4 on
+    $py - "$@" <<'EOF'
+import json, statistics, sys
+for d in sys.argv[1:]:
+    rows = [json.loads(l) for l in open(f"{d}/metrics.jsonl") if '"step_time_s"' in l]
+    late = [r for r in rows if r["step"] >= 4]
+    med = lambda k: statistics.median(r[k] for r in late)
+    print(f"{d}: {len(late)} steps  step {med('step_time_s'):.3f} s  MFU {med('mfu'):.3f}  "
+          f"peak memory {max(r['memory_mb'] for r in late) / 1024:.2f} GiB")
+EOF
+}
+
+for stage in $stages; do
+    echo "=== $stage $(date -u +%T)"
+    case $stage in
+    bench)
+        $py -m experiments.bench.train --device cuda --json "$out/bench_train.json" 2>&1 | tee "$out/bench_train.log" ;;
+    train)
+        common=(--set model.name=llama-3.2-1b --set data.seq_len=1024 --set data.max_docs=600
+                --set train.batch_size=8 --set train.max_steps=12 --set train.warmup_steps=2
+                --set train.precision=bf16 --set eval.enabled=false --set wandb.mode=disabled)
+        runs=()
+        for variant in plain offload tuned; do
+            extra=()
+            [ $variant = offload ] && extra=(--set train.optimizer_offload=true)
+            [ $variant = tuned ] && extra=(--set parallel.tune_matmul=true)
+            $py -m memtrain train "${common[@]}" "${extra[@]}" --out "/tmp/gpu_runs/$variant" --force \
+                > "$out/train_$variant.log" 2>&1 || { echo "$variant failed:"; tail -5 "$out/train_$variant.log"; }
+            runs+=("/tmp/gpu_runs/$variant")
+        done
+        median_of_run "${runs[@]}" | tee "$out/train_summary.txt" ;;
+    tests)
+        timeout 420 $py -m pytest -q -n 8 -p no:cacheprovider --timeout 150 tests/parallel tests/memtrain/training \
+            tests/experiments/bench/test_train_bench.py --ignore tests/memtrain/training/test_tracking.py \
+            --ignore tests/memtrain/training/test_tracking_sync.py 2>&1 | tee "$out/tests.log" | tail -40 ;;
+    demo)
+        start=$(date +%s)
+        $py -m memtrain demo > "$out/demo.log" 2>&1
+        echo "demo exit $? after $(( $(date +%s) - start )) s"; tail -30 "$out/demo.log" ;;
+    *) echo "unknown stage $stage (bench, train, tests, demo, all)"; exit 2 ;;
+    esac
+done

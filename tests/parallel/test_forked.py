@@ -1,0 +1,31 @@
+"""parallel.forked: ranks forked from the test process, or from a fork server on a machine with a GPU."""
+
+import os
+
+import torch
+import torch.distributed as dist
+
+from parallel.forked import run_ranks
+
+
+def _sum_of_ranks_after_backward(rank, world_size):
+    x = torch.tensor([float(rank)], requires_grad=True)
+    (x * 2).sum().backward()
+    dist.all_reduce(x.grad)
+    return float(x.grad), os.getppid()
+
+
+def test_ranks_are_forked_from_this_process_without_a_gpu(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    results = run_ranks(2, _sum_of_ranks_after_backward)
+    assert results == [(4.0, os.getpid())] * 2
+
+
+def test_with_a_gpu_the_ranks_come_from_a_fork_server_and_run_autograd_after_the_parent_did(monkeypatch):
+    """A GPU machine's parent that ran backward once has autograd's device threads; children forked from it refuse
+    autograd. The fork server is a clean process: its children are not this process's, and backward works there."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    (torch.ones(1, requires_grad=True) * 3).sum().backward()
+    results = run_ranks(2, _sum_of_ranks_after_backward)
+    assert [grad for grad, _ in results] == [4.0, 4.0]
+    assert all(parent != os.getpid() for _, parent in results)
