@@ -240,6 +240,6 @@ def make_record(spec_name: str, point, run_dir: Path, base_dir: Path | None, sta
         "train": train_summary(run_dir) | {"steps_planned": (run.get("trained") or {}).get("steps")},
         "eval": ev, "canaries": canary_rows(run_dir), "passes": passes(run_dir),
         "base": {k: base.get(k) for k in ("steps", "seconds", "val_loss", "unigram_entropy")} if base else None,
-        "run": {k: run.get(k) for k in ("grid", "mode", "trained")},
+        "run": {k: run.get(k) for k in ("grid", "mode", "trained", "corpus")},
         "config": point.cfg.to_dict(),
     }

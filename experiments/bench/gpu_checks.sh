@@ -8,6 +8,10 @@
 #          parallel.tune_matmul=true; per run the median step time, MFU and peak memory of steps 4..12
 #   tests  the engine and training tests on a machine whose GPU is visible (W&B's tests need wandb: left out)
 #   demo   the main job (`python -m memtrain demo`, what `make TORCH=torch demo` runs once installed), timed
+#   parity the demo's width-384 standard points (3 seeds) on the GPU and on this machine's CPU, same corpus, each
+#          with its own cache (pretraining too): their one-exposure summaries side by side. On 2026-11-24 the GPU
+#          demo (Python 3.12.3's stdlib) gave negative one-exposure drops at every size, where CPU runs on other
+#          Pythons' stdlib (3.11.7, 3.12.1) gave positive ones: this tells the device from the corpus
 #   all    bench train tests (the default; demo takes a call of its own)
 set -u
 out=${OUT:-gpu_out}
@@ -61,6 +65,16 @@ for stage in $stages; do
         start=$(date +%s)
         $py -m memtrain demo > "$out/demo.log" 2>&1
         echo "demo exit $? after $(( $(date +%s) - start )) s"; tail -30 "$out/demo.log" ;;
-    *) echo "unknown stage $stage (bench, train, tests, demo, all)"; exit 2 ;;
+    parity)
+        for device in cuda cpu; do
+            hide=(); [ $device = cpu ] && hide=(env CUDA_VISIBLE_DEVICES=)
+            start=$(date +%s)
+            MEMTRAIN_CACHE=/tmp/parity-cache-$device "${hide[@]}" $py -m memtrain demo --only width-384_standard \
+                --out /tmp/parity/$device > "$out/parity_$device.log" 2>&1
+            echo "$device: exit $? after $(( $(date +%s) - start )) s"
+            cp /tmp/parity/$device/report.md "$out/parity_$device.md"
+            grep -m1 "One exposure" /tmp/parity/$device/report.md | cut -c1-330
+        done ;;
+    *) echo "unknown stage $stage (bench, train, tests, demo, parity, all)"; exit 2 ;;
     esac
 done

@@ -201,6 +201,23 @@ def _exposure_note(ok: list[dict]) -> str:
             f"log2({samples[-1] + 1}) = {math.log2(samples[-1] + 1):.1f} bits)")
 
 
+def _corpus_note(ok: list[dict]) -> list[str]:
+    """Which text the runs trained and were tested on: results compare across machines only on the same one."""
+    corpora = {(c.get("source"), c.get("fingerprint"), c.get("documents"))
+               for r in ok if (c := (r.get("run") or {}).get("corpus"))}
+    if not corpora:
+        return []
+    if len(corpora) > 1:
+        names = "; ".join(f"{s} ({str(f)[:12]})" for s, f, _ in sorted(corpora, key=str))
+        return [f"**Corpus: {len(corpora)} different ones across these runs** ({names}): their results do not pool.",
+                ""]
+    (source, fp, docs), = corpora
+    why = (" The built-in corpus is the running Python's own sources: another Python version trains and tests on "
+           "other text, with other canaries, twins and tokenizer." if str(source).startswith("stdlib") else "")
+    return [f"Corpus: {source}, {docs} documents, sha256 {str(fp)[:12]}; results compare with another machine's "
+            f"only where this fingerprint is the same.{why}", ""]
+
+
 def write_markdown(rows: list[dict], figs: list[Path], out: Path, lead: list[str] = (), study: dict | None = None
                    ) -> Path:
     """report.md: the header, `lead` (a study's own summary and tables), then the sections every sweep has.
@@ -213,7 +230,7 @@ def write_markdown(rows: list[dict], figs: list[Path], out: Path, lead: list[str
              f"{len(rows)} run(s): {len(ok)} ok, {len(failed)} failed; precision {', '.join(precisions) or '-'}. "
              "Metrics are over the inserted canaries (exact match, ROUGE-L: greedy suffix extraction; exposure: "
              f"random canaries, in bits, {_exposure_note(ok)}; MIA AUC: loss attack, inserted canaries vs their "
-             "never-trained twins; val loss: held-out documents).", "", *lead]
+             "never-trained twins; val loss: held-out documents).", "", *_corpus_note(ok), *lead]
     study = passes.numbers(rows) if study is None else study
     kinds = sorted({key.split("/")[0] for r in ok for key in ((r.get("eval") or {}).get("cells") or {})})
     for kind in [None, *kinds] if len(kinds) > 1 else [None]:

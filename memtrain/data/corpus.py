@@ -9,6 +9,7 @@ from __future__ import annotations
 import glob
 import hashlib
 import os
+import platform
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
@@ -59,7 +60,9 @@ def load_corpus(cfg: DataConfig) -> Corpus:
     if cfg.max_docs is not None and cfg.max_docs < len(docs):
         # Evenly spaced rather than the first n, so a small corpus still spans the whole source.
         docs = [docs[i * len(docs) // cfg.max_docs] for i in range(cfg.max_docs)]
-    return Corpus(source=src, docs=docs, fingerprint=fingerprint(docs))
+    # the built-in corpus is this interpreter's own sources: another Python version reads other text
+    source = f"stdlib (Python {platform.python_version()})" if src == "stdlib" else src
+    return Corpus(source=source, docs=docs, fingerprint=fingerprint(docs))
 
 
 def fingerprint(docs: list[Document]) -> str:

@@ -77,6 +77,12 @@ class TrainStream:
     def key(self) -> str:
         return self.meta["key"]
 
+    @property
+    def corpus(self) -> dict:
+        """The corpus the stream was cut from: its source, sha256 fingerprint and number of documents."""
+        return {"source": self.meta.get("corpus_source"), "fingerprint": self.meta.get("corpus"),
+                "documents": self.meta.get("n_docs")}
+
     def num_steps(self, batch_size: int) -> int:
         """Steps of one pass; the last batch is short when batch_size does not divide len(self)."""
         return -(-len(self) // batch_size)

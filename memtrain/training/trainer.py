@@ -188,7 +188,8 @@ def train(cfg: RunConfig, out_dir: str | Path, *, resume: bool = False, force: b
         trained = {"steps": total, "epochs": t.epochs, "steps_per_pass": steps_per_epoch}
         stream.write_manifest(out, B, grid.data if plm.mode == "sharded" else grid.world_size)
         write_atomic(out / RUN, json.dumps({
-            "stream_key": stream.key, "trained": trained, "grid": {a: getattr(grid, a) for a in parallel.AXES},
+            "stream_key": stream.key, "corpus": stream.corpus, "trained": trained,
+            "grid": {a: getattr(grid, a) for a in parallel.AXES},
             "mode": plm.mode, "params": plm.num_params(), "hidden_size": plm.config.hidden_size,
             "lr": peak_lr(cfg, plm.config.hidden_size), "precision": "bf16" if amp else "fp32",
             "mfu_peak": {"flop_s": peak.flops, "source": peak.source},

@@ -24,9 +24,11 @@ def test_record_of_a_run_directory_with_torn_lines(tmp_path, capsys):
     (run / "eval_canaries.jsonl").write_text(json.dumps({"id": "c0", "exact_match": True, "generated_text": "x"})
                                              + "\n")
     (run / "eval.json").write_text(json.dumps({"exact_match_rate": 1.0}))
-    (run / "run.json").write_text(json.dumps({"params": 123, "trained": {"steps": 3}}))
+    corpus = {"source": "stdlib (Python 3.11.7)", "fingerprint": "ab" * 32, "documents": 240}
+    (run / "run.json").write_text(json.dumps({"params": 123, "trained": {"steps": 3}, "corpus": corpus}))
     p = _point()
     record = make_record("r", p, run, None, "ok", None, "2024-01-01T00:00:00+00:00", 1.25)
+    assert record["run"]["corpus"] == corpus  # which text the numbers are about
     assert capsys.readouterr().err == ""  # a run's own torn lines are not the sweep's news
     assert record["status"] == "ok" and record["point"] == p.id and record["loss"] == "goldfish k=4"
     assert record["train"]["step"] == 3 and record["train"]["tokens_per_s"] == 250.0

@@ -132,3 +132,30 @@ def test_missing_results_is_a_clear_error(tmp_path, capsys):
     (tmp_path / "results.jsonl").write_text("")
     with pytest.raises(ValueError, match="no results"):
         report.build_report(tmp_path)
+
+
+def _with_corpus(row, source, fingerprint):
+    return {**row, "run": {"corpus": {"source": source, "fingerprint": fingerprint, "documents": 240}}}
+
+
+def test_the_report_names_the_corpus_and_refuses_to_pool_two(tmp_path):
+    """The built-in corpus is the running Python's sources: a report says which text its numbers are about."""
+    rows = [synthetic_row(model, params, "standard", seed) for model, params in MODELS[:2] for seed in (0, 1)]
+    one = tmp_path / "one"
+    one.mkdir()
+    (one / "results.jsonl").write_text("".join(json.dumps(_with_corpus(r, "stdlib (Python 3.11.7)", "ab" * 32)) + "\n"
+                                               for r in rows))
+    report.build_report(one / "results.jsonl", one)
+    md = (one / "report.md").read_text()
+    assert "Corpus: stdlib (Python 3.11.7), 240 documents, sha256 abababababab;" in md
+    assert "another Python version trains and tests on other text" in md
+
+    two = tmp_path / "two"
+    two.mkdir()
+    mixed = [_with_corpus(r, "stdlib (Python 3.12.3)" if i % 2 else "stdlib (Python 3.11.7)", "cd" * 32 if i % 2
+                          else "ab" * 32) for i, r in enumerate(rows)]
+    (two / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in mixed))
+    report.build_report(two / "results.jsonl", two)
+    md = (two / "report.md").read_text()
+    assert "**Corpus: 2 different ones across these runs**" in md and "do not pool" in md
+    assert "stdlib (Python 3.12.3) (cdcdcdcdcdcd)" in md

@@ -2,6 +2,7 @@
 
 import json
 import os
+import platform
 import sysconfig
 import time
 from dataclasses import replace
@@ -37,6 +38,7 @@ def test_stdlib_corpus_is_sorted_python_source_without_site_packages():
     assert all(n.endswith(".py") and "site-packages" not in n for n in names)
     assert corpus.fingerprint == load_corpus(DataConfig(max_docs=30)).fingerprint
     assert corpus.fingerprint != load_corpus(DataConfig(max_docs=31)).fingerprint
+    assert corpus.source == f"stdlib (Python {platform.python_version()})"  # other Pythons, other text
 
 
 def test_directory_corpus_skips_non_utf8_files_with_one_line(text_dir, capsys):

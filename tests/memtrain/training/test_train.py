@@ -17,6 +17,7 @@ import torch
 
 import parallel
 from memtrain.config import load
+from memtrain.data.corpus import load_corpus
 from memtrain.training import checkpoint, setup, trainer  # here, not in the ranks: forked, they find them imported
 from memtrain.training.perf import datasheet_peak
 from parallel.forked import run_ranks
@@ -39,7 +40,11 @@ def test_run_directory_has_everything(finished_run):
     for key in ("loss", "lr", "tokens", "tokens_per_s", "mfu", "memory_mb", "kept_fraction"):
         assert all(x[key] is not None for x in lines), key
     assert lines[-1]["loss"] < lines[0]["loss"]
-    peak = json.loads((finished_run / "run.json").read_text())["mfu_peak"]  # MFU's denominator, and its origin
+    run = json.loads((finished_run / "run.json").read_text())
+    data = load(finished_run / "config.toml").data
+    assert run["corpus"]["source"] == data.corpus and run["corpus"]["documents"] > 0
+    assert run["corpus"]["fingerprint"] == load_corpus(data).fingerprint
+    peak = run["mfu_peak"]  # MFU's denominator, and its origin
     sheet = datasheet_peak(torch.cuda.get_device_name()) if torch.cuda.is_available() else None
     if sheet:  # a GPU the datasheet table knows
         assert peak == {"flop_s": sheet.flops, "source": sheet.source}
