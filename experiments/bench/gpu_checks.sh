@@ -1,9 +1,13 @@
 #!/usr/bin/env bash
 # The GPU checks of the engine issue, in as few calls as a lent GPU's short lease allows. Run from the repository
 # root on a machine with one CUDA GPU, after installing memtrain's dependencies; logs and JSON go to $OUT (else
-# ./gpu_out). Stages, in the order a lease should spend its minutes (name some to run only those):
+# ./gpu_out). Where no package index is reachable, carry wheels of what the machine's image lacks (on 2026-11-24:
+# datasets, dill, multiprocess, submitit; wandb is left out, so W&B is off), install them with --no-deps into a
+# directory D, add memtrain itself there (`pip install --no-deps --no-build-isolation --target D .`: its CLI reads
+# its own entry points) and run with PYTHONPATH=$PWD:D. Stages, in the order a lease should spend its minutes (name some to run only those):
 #   bench  experiments.bench.train --device cuda: memtrain's single-GPU step vs a plain PyTorch loop on llama-3.2-1b
-#          (bf16 autocast, fused AdamW, SDPA under document attention): MFU, paired ratio, peak memory
+#          (bf16 autocast, fused AdamW, SDPA under document attention): MFU, paired ratio, peak memory, and one
+#          profiled step of each side (where memtrain's 13% went on the H100, 2026-11-24)
 #   train  `memtrain train` on llama-3.2-1b, bf16, 12 steps, three ways: as is, train.optimizer_offload=true and
 #          parallel.tune_matmul=true; per run the median step time, MFU and peak memory of steps 4..12
 #   tests  the engine and training tests on a machine whose GPU is visible (W&B's tests need wandb: left out)
@@ -42,8 +46,10 @@ for stage in $stages; do
     echo "=== $stage $(date -u +%T)"
     case $stage in
     bench)
-        $py -m experiments.bench.train --device cuda --json "$out/bench_train.json" 2>&1 | tee "$out/bench_train.log" ;;
+        $py -m experiments.bench.train --device cuda --json "$out/bench_train.json" --profile "$out/profile" 2>&1 |
+            tee "$out/bench_train.log" ;;
     train)
+        mkdir -p /tmp/gpu_runs
         common=(--set model.name=llama-3.2-1b --set data.seq_len=1024 --set data.max_docs=600
                 --set train.batch_size=8 --set train.max_steps=12 --set train.warmup_steps=2
                 --set train.precision=bf16 --set eval.enabled=false --set wandb.mode=disabled)
@@ -52,8 +58,10 @@ for stage in $stages; do
             extra=()
             [ $variant = offload ] && extra=(--set train.optimizer_offload=true)
             [ $variant = tuned ] && extra=(--set parallel.tune_matmul=true)
+            # logs stay in /tmp unless a run fails: a call brings back at most 8 files
             $py -m memtrain train "${common[@]}" "${extra[@]}" --out "/tmp/gpu_runs/$variant" --force \
-                > "$out/train_$variant.log" 2>&1 || { echo "$variant failed:"; tail -5 "$out/train_$variant.log"; }
+                > "/tmp/gpu_runs/$variant.log" 2>&1 ||
+                { echo "$variant failed:"; cp "/tmp/gpu_runs/$variant.log" "$out/"; tail -5 "/tmp/gpu_runs/$variant.log"; }
             runs+=("/tmp/gpu_runs/$variant")
         done
         median_of_run "${runs[@]}" | tee "$out/train_summary.txt" ;;

@@ -2,6 +2,7 @@
 
     python -m experiments.bench.train [--device cpu|cuda] [--precision fp32|bf16] [--models ladder-10m,ladder-30m]
                                       [--steps 10] [--warmup 2] [--batch 8] [--seq 256] [--threads N] [--json out.json]
+                                      [--profile DIR]
 
 --device defaults to cuda when torch sees a GPU (memtrain's trainer then uses it: `--device cpu` is refused there;
 hide the GPU with CUDA_VISIBLE_DEVICES= instead). Defaults per device: on cpu fp32, ladder-10m and ladder-30m,
@@ -37,6 +38,8 @@ The peak: on CPU memtrain.training.perf.matmul_peak_flops in the run's dtype (at
 the best of re-measurements at the start, between steps and after each model); on CUDA
 memtrain.training.perf.mfu_peak, the one the trainer's MFU uses (the GPU's dense bf16 datasheet peak, or a
 measured matmul for a GPU its table does not know), named in the output.
+--profile DIR: one more step of each side after the timed ones, each under torch.profiler, its ops by self time
+(device time on a GPU) written to DIR/<model>_memtrain.txt and _plain.txt: where the two steps differ.
 Peak memory, on CUDA only: torch.cuda.max_memory_allocated over each side's steps, its counter reset before
 each (both models and optimizers stay resident throughout, so each side's peak holds the other's weights and
 AdamW state too), and the step's own part of it: that peak above what was allocated when the step began
@@ -185,8 +188,29 @@ class PlainLoop:
                 "tokens_per_s": labels.numel() / dt, "tokens_per_cpu_s": labels.numel() / cpu}
 
 
+def _profiler(device: torch.device):
+    acts = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        acts.append(torch.profiler.ProfilerActivity.CUDA)
+    return torch.profiler.profile(activities=acts)
+
+
+def _write_profile(prof, device: torch.device, path: str) -> None:
+    """The step's ops by self time (device time on a GPU: its kernels), and the totals that compare two sides."""
+    events = prof.key_averages()
+    on_gpu = device.type == "cuda"
+    key = "self_device_time_total" if on_gpu else "self_cpu_time_total"
+    total_us = sum(getattr(e, key) for e in events)
+    calls = sum(e.count for e in events if not on_gpu or e.self_device_time_total > 0)
+    with open(path, "w") as f:
+        f.write(f"{'device' if on_gpu else 'CPU'} self time {total_us / 1e3:.2f} ms over {calls} "
+                f"{'kernel-running ops' if on_gpu else 'op calls'}\n")
+        f.write(events.table(sort_by=key, row_limit=60))
+    print(f"  profile: {path} ({total_us / 1e3:.2f} ms, {calls} calls)")
+
+
 def run_model(name: str, args) -> dict:
-    total = args.warmup + args.steps
+    total = args.warmup + args.steps + (1 if args.profile else 0)  # the profiled pair comes after the timed steps
     cfg = make_config(name, args, total)
     state: dict = {"mt": [], "plain": []}
 
@@ -200,10 +224,17 @@ def run_model(name: str, args) -> dict:
         state["mem_base"] = _memory_mark(device)
 
     def on_step(record):
+        device = state["device"]
+        if record["step"] == total and args.profile:  # memtrain's step ran under the profiler: the plain one next
+            state["profiler"].__exit__(None, None, None)
+            _write_profile(state["profiler"], device, os.path.join(args.profile, f"{name}_memtrain.txt"))
+            with _profiler(device) as prof:
+                state["plain_loop"].step(record["step"] - 1)
+            _write_profile(prof, device, os.path.join(args.profile, f"{name}_plain.txt"))
+            return
         # memtrain's CPU seconds: everything since the previous plain step ended (its step, plus
         # train()'s few lines of bookkeeping after it; step 1 also holds the optimizer's setup).
         cpu = time.process_time() - state["cpu_mark"]
-        device = state["device"]
         state["mt"].append(dict(record, tokens_per_cpu_s=args.batch * args.seq / cpu,
                                 **_memory_read(device, state["mem_base"])))
         base = _memory_mark(device)
@@ -212,6 +243,8 @@ def run_model(name: str, args) -> dict:
             measure_peak(DTYPES[args.precision], 3)
         state["cpu_mark"] = time.process_time()
         state["mem_base"] = _memory_mark(device)
+        if record["step"] == total - 1 and args.profile:
+            state["profiler"] = _profiler(device).__enter__()
         mt, pl = state["mt"][-1], state["plain"][-1]
         if args.verbose:
             print(f"  step {mt['step']:3d}  memtrain {mt['tokens_per_s']:8.0f} tok/s  "
@@ -221,7 +254,7 @@ def run_model(name: str, args) -> dict:
     with tempfile.TemporaryDirectory(prefix="bench_train_") as out:
         train(cfg, out, on_setup=on_setup, on_step=on_step)
     mt, pl = state["mt"], state["plain"]
-    timed = range(args.warmup, total)
+    timed = range(args.warmup, args.warmup + args.steps)
     mt_tps = [mt[i]["tokens_per_s"] for i in timed]
     pl_tps = [pl[i]["tokens_per_s"] for i in timed]
     paired = [a / b for a, b in zip(mt_tps, pl_tps)]
@@ -241,8 +274,8 @@ def run_model(name: str, args) -> dict:
         "paired_ratio_min": min(paired), "paired_ratio_max": max(paired),
         "cpu_paired_ratio": paired_ratio(*cpu_paired),
         "loss1": (mt[0]["loss"], pl[0]["loss"]), "loss1_rel": rel_diff(mt[0]["loss"], pl[0]["loss"]),
-        "loss2": (mt[1]["loss"], pl[1]["loss"]) if total > 1 else None,
-        "loss2_rel": rel_diff(mt[1]["loss"], pl[1]["loss"]) if total > 1 else None,
+        "loss2": (mt[1]["loss"], pl[1]["loss"]) if len(mt) > 1 else None,
+        "loss2_rel": rel_diff(mt[1]["loss"], pl[1]["loss"]) if len(mt) > 1 else None,
         "gnorm1_rel": rel_diff(mt[0]["grad_norm"], pl[0]["grad_norm"]),
         "memtrain_peak_mb": most(mt, "peak_mb"), "plain_peak_mb": most(pl, "peak_mb"),
         "memtrain_step_mb": most(mt, "step_mb"), "plain_step_mb": most(pl, "step_mb"),
@@ -306,6 +339,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     ap.add_argument("--verbose", action="store_true", help="print every step")
     ap.add_argument("--json", default=None, help="write the results to this file")
+    ap.add_argument("--profile", default=None, metavar="DIR",
+                    help="after the timed steps, one more step of each side under torch.profiler: its ops by self "
+                         "time (on a GPU, device time) in DIR/<model>_memtrain.txt and DIR/<model>_plain.txt")
     args = ap.parse_args(argv)
     for key, value in DEFAULTS[args.device].items():
         if getattr(args, key) is None:
@@ -323,6 +359,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
                          "with CUDA_VISIBLE_DEVICES= to benchmark the CPU")
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.profile:
+        os.makedirs(args.profile, exist_ok=True)
     if args.device == "cpu":
         measure_peak(DTYPES[args.precision])
     results = []

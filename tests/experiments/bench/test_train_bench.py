@@ -13,6 +13,7 @@ line naming the fix, exit status 1.
 import contextlib
 import io
 import math
+import re
 import subprocess
 import sys
 
@@ -38,10 +39,14 @@ ON_GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU")
 @pytest.mark.parametrize("device, precision", [
     pytest.param("cpu", "fp32", marks=ON_CPU), pytest.param("cpu", "bf16", marks=ON_CPU),
     pytest.param("cuda", "fp32", marks=ON_GPU), pytest.param("cuda", "bf16", marks=ON_GPU)])
-def test_memtrain_against_the_plain_loop(data, device, precision):
+def test_memtrain_against_the_plain_loop(data, device, precision, tmp_path):
     with contextlib.redirect_stdout(io.StringIO()) as out:
-        (r,) = bench.main([*data, "--device", device, "--precision", precision])
+        (r,) = bench.main([*data, "--device", device, "--precision", precision, "--profile", str(tmp_path)])
     assert "ladder-1m" in out.getvalue()
+    for side in ("memtrain", "plain"):  # one more step each, profiled after the timed ones
+        head = (tmp_path / f"ladder-1m_{side}.txt").read_text().splitlines()
+        assert re.fullmatch(r"(device|CPU) self time [\d.]+ ms over \d+ .+", head[0]) and "aten::mm" in "".join(head)
+    assert len(r["memtrain_steps_tok_s"]) == len(r["plain_steps_tok_s"]) == 3  # the profiled pair is not timed
     assert (r["device"], r["precision"]) == (device, precision)
     assert math.isfinite(r["paired_ratio"]) and r["paired_ratio"] > 0
     assert r["loss1_rel"] <= bench.LOSS_TOL[precision] and r["loss2_rel"] <= bench.LOSS_TOL[precision]
