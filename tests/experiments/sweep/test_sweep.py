@@ -19,6 +19,7 @@ from experiments.sweep.run import run_sweep
 from memtrain.config import tomllib  # tomllib, or tomli on Python 3.10
 from memtrain.files import read_jsonl
 from tests.experiments.sweep._helpers import IDS, launched, results, write_corpus
+from tests.memtrain._helpers import ENV
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -63,7 +64,7 @@ def test_failure_is_recorded_and_the_sweep_goes_on(env, capsys):
 def test_resume_after_kill_runs_only_missing_points(env):
     out = env["tmp"] / "killed"
     env_vars = dict(os.environ, FAKE_KILL="ladder-3m_goldfish-k4", FAKE_KILL_MARK=str(env["tmp"] / "mark"),
-                    PYTHONPATH=str(ROOT))
+                    PYTHONPATH=ENV["PYTHONPATH"])
     cmd = [sys.executable, "-m", "experiments.sweep", str(env["spec"]), "--out", str(out), "--runner",
            env["runner"], "--wandb", "disabled", "--no-report"]
     proc = subprocess.run(cmd, env=env_vars, capture_output=True, text=True, timeout=300, cwd=ROOT)

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from experiments.sweep import cli
 from tests.experiments.sweep._helpers import write_corpus
+from tests.memtrain._helpers import ENV
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -119,7 +120,7 @@ def test_sweep_killed_with_sigkill_takes_its_trainer_along_and_resumes(tmp_path)
         steps = 0
     '''))
     out = tmp_path / "runs"
-    env = dict(os.environ, PYTHONPATH=str(ROOT), MEMTRAIN_CACHE=str(tmp_path / "cache"), WANDB_MODE="disabled",
+    env = dict(os.environ, PYTHONPATH=ENV["PYTHONPATH"], MEMTRAIN_CACHE=str(tmp_path / "cache"), WANDB_MODE="disabled",
                OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "experiments.sweep", str(spec_path), "--out", str(out), "--no-report"]
     sweep_proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

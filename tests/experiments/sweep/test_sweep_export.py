@@ -33,7 +33,7 @@ import torch
 
 from experiments.sweep import cli as sweep_cli
 from memtrain.training.tracking import PASS_AXIS
-from tests.memtrain._helpers import checkpoint_files, cli, stdlib_corpus
+from tests.memtrain._helpers import ENV, checkpoint_files, cli, stdlib_corpus
 from tests.memtrain.training._wandb_files import of_type, records
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -152,7 +152,7 @@ def test_dropped_weights_name_the_command_that_gets_them_back(ws, tmp_path):
     exe, *args = shlex.split(lines[0].split("`")[1])
     assert exe == "memtrain" and args == ["train", "--config", str(run / "config.toml"), "--out", f"{run}-weights"]
     done = subprocess.run([sys.executable, "-m", "memtrain", *args], cwd=ROOT, capture_output=True, text=True,
-                          env=dict(os.environ, PYTHONPATH=str(ROOT), WANDB_MODE="disabled"), timeout=600)
+                          env=dict(os.environ, PYTHONPATH=ENV["PYTHONPATH"], WANDB_MODE="disabled"), timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     final = next(p for p in (ws["run"] / "checkpoints").iterdir() if p.name != "latest")
     kept = checkpoint_files(final)
