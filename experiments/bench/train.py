@@ -49,8 +49,9 @@ Measured on one GPU once (2026-11-24: NVIDIA H100 80GB HBM3, torch 2.11.0+cu130,
 defaults: llama-3.2-1b, bf16, batch 8 x 1024, 10 steps after 2): memtrain 40,236 tok/s, the plain loop 46,021;
 ratio 0.874, paired 0.866 [0.64, 0.89]: BELOW the 0.95 target; MFU 24.0% vs 27.4% of the 989 TFLOP/s datasheet
 peak; peak memory 43,992 MiB vs 45,863 (both models resident), the step's own part 13,973 vs 15,845 MiB. Where
-memtrain's step loses its 13% is not yet profiled (candidates: the engine's own Linear/embedding/norm autograd
-functions in place of the fused HF modules, the global-token loss normalization, the document-attention mask).
+memtrain's step loses its 13% is not yet profiled (--profile shows it on the next GPU; candidates: the engine's
+own autograd functions for Linear, embedding and norms in place of HF's modules, the extra casts and per-tensor
+clipping work that make memtrain dispatch 27% more aten ops per step at ladder-1m on a CPU).
 
 On a shared, loaded machine absolute figures drift; the paired ratio is the figure to read. With more
 runnable processes than cores, multi-threaded steps stall at OpenMP barriers whenever one thread is
@@ -226,7 +227,7 @@ def run_model(name: str, args) -> dict:
     def on_step(record):
         device = state["device"]
         if record["step"] == total and args.profile:  # memtrain's step ran under the profiler: the plain one next
-            state["profiler"].__exit__(None, None, None)
+            state["profiler"].stop()
             _write_profile(state["profiler"], device, os.path.join(args.profile, f"{name}_memtrain.txt"))
             with _profiler(device) as prof:
                 state["plain_loop"].step(record["step"] - 1)
@@ -244,7 +245,8 @@ def run_model(name: str, args) -> dict:
         state["cpu_mark"] = time.process_time()
         state["mem_base"] = _memory_mark(device)
         if record["step"] == total - 1 and args.profile:
-            state["profiler"] = _profiler(device).__enter__()
+            state["profiler"] = _profiler(device)
+            state["profiler"].start()
         mt, pl = state["mt"][-1], state["plain"][-1]
         if args.verbose:
             print(f"  step {mt['step']:3d}  memtrain {mt['tokens_per_s']:8.0f} tok/s  "
