@@ -9,7 +9,7 @@
 #          (bf16 autocast, fused AdamW, SDPA under document attention): MFU, paired ratio, peak memory, and one
 #          profiled step of each side (where memtrain's 13% went on the H100, 2026-11-24)
 #   train  `memtrain train` on llama-3.2-1b, bf16, 12 steps, three ways: as is, train.optimizer_offload=true and
-#          parallel.tune_matmul=true; per run the median step time, MFU and peak memory of steps 4..12
+#          parallel.tune_matmul=true; per run the median step time and MFU after the first step, and peak memory
 #   tests  the engine and training tests on a machine whose GPU is visible (W&B's tests need wandb: left out)
 #   demo   the main job (`python -m memtrain demo`, what `make TORCH=torch demo` runs once installed), timed
 #   parity the demo's width-384 standard points (3 seeds) on the GPU and on this machine's CPU, same corpus, each
@@ -30,15 +30,19 @@ nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm 
 $py -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda,
 'transformers', transformers.__version__, torch.cuda.get_device_name(0))" | tee -a "$out/gpu.txt"
 
-median_of_run() {  # one line per run directory: median step time, MFU and peak memory over steps 4 on
+summarize() {  # one line per run directory, from the sweep's own summary of a run (experiments.results)
     $py - "$@" <<'EOF'
-import json, statistics, sys
+import sys
+from pathlib import Path
+from experiments.results import train_summary
 for d in sys.argv[1:]:
-    rows = [json.loads(l) for l in open(f"{d}/metrics.jsonl") if '"step_time_s"' in l]
-    late = [r for r in rows if r["step"] >= 4]
-    med = lambda k: statistics.median(r[k] for r in late)
-    print(f"{d}: {len(late)} steps  step {med('step_time_s'):.3f} s  MFU {med('mfu'):.3f}  "
-          f"peak memory {max(r['memory_mb'] for r in late) / 1024:.2f} GiB")
+    s = train_summary(Path(d))
+    if not s:
+        print(f"{d}: no metrics (see its log)")
+        continue
+    step_s = s["tokens"] / s["step"] / s["tokens_per_s"]
+    print(f"{d}: {s['step']} steps  step {step_s:.3f} s  MFU {s['mfu']:.3f}  "
+          f"peak memory {s['memory_mb'] / 1024:.2f} GiB  (medians after the first step)")
 EOF
 }
 
@@ -64,7 +68,7 @@ for stage in $stages; do
                 { echo "$variant failed:"; cp "/tmp/gpu_runs/$variant.log" "$out/"; tail -5 "/tmp/gpu_runs/$variant.log"; }
             runs+=("/tmp/gpu_runs/$variant")
         done
-        median_of_run "${runs[@]}" | tee "$out/train_summary.txt" ;;
+        summarize "${runs[@]}" | tee "$out/train_summary.txt" ;;
     tests)
         timeout 420 $py -m pytest -q -n 8 -p no:cacheprovider --timeout 150 tests/parallel tests/memtrain/training \
             tests/experiments/bench/test_train_bench.py --ignore tests/memtrain/training/test_tracking.py \

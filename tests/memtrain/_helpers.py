@@ -59,7 +59,6 @@ def cli(*args) -> subprocess.CompletedProcess:
 def _isolated():
     import threading
 
-    import torch
     import torch.distributed as dist
 
     from memtrain.training import run_dir

@@ -115,7 +115,8 @@ def test_nccl_with_more_local_ranks_than_gpus_names_the_rank_and_the_fix(no_pg, 
         parallel.init(backend="nccl")
 
 
-def test_a_grid_without_a_process_group_keeps_its_tensors_on_the_cpu(no_pg):
+def test_a_grid_without_a_process_group_keeps_its_tensors_on_the_cpu(no_pg, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a visible GPU does not decide it
     assert parallel.Grid(1, 2, 1, 1).device == torch.device("cpu")
 
 

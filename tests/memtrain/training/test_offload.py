@@ -245,6 +245,14 @@ def test_train_resumes_an_offloaded_bf16_run_bitwise(tmp_path):
     assert all(t.dtype == torch.float32 for t in a.values())  # the fp32 masters and moments
 
 
+def test_host_memory_is_pinned_only_for_parameters_on_a_gpu(monkeypatch):
+    """A visible GPU alone pins nothing: CPU ranks (gloo) on a GPU machine keep pageable memory, which a forked
+    rank can allocate without touching CUDA."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    _, opt, _ = _build(parallel.Grid(1, 1, 1, 1), True)
+    assert isinstance(opt, OffloadAdamW) and opt.pin is False
+
+
 def test_offload_without_bf16_keeps_fp32_parameters():
     plm, opt, _ = _build(parallel.Grid(1, 1, 1, 1), True)
     assert isinstance(opt, OffloadAdamW)
