@@ -41,6 +41,11 @@ class DataConfig:
     max_text_tokens: int | None = None
     """Keep at most this many tokens of corpus text (whole documents in shuffled order, the last one cut) in
     the training stream besides the canaries; None keeps all of it."""
+    text_piece_tokens: int | None = None
+    """Cut each training document into pieces of at most this many tokens before the shuffle, each piece then
+    read as a document of its own (EOS-closed); None shuffles whole documents. A run that reads only the start
+    of its stream (pretraining for a few hundred steps) then samples the whole corpus instead of its first few
+    shuffled files, one of which can hold a fifth of the tokens read. Validation and canary documents stay whole."""
     cache_dir: str | None = None
     """Where tokenizers and prepared streams are cached; default $MEMTRAIN_CACHE or ~/.cache/memtrain."""
 
@@ -54,6 +59,9 @@ class DataConfig:
             raise ValueError(f"data.val_fraction={self.val_fraction} is invalid: use a value in [0, 1)")
         if self.max_text_tokens is not None and self.max_text_tokens < 0:
             raise ValueError(f"data.max_text_tokens={self.max_text_tokens} is invalid: use None (all) or >= 0")
+        if self.text_piece_tokens is not None and self.text_piece_tokens < 1:
+            raise ValueError(f"data.text_piece_tokens={self.text_piece_tokens} is invalid: use None (whole documents) "
+                             "or >= 1")
         if self.max_docs is not None and self.max_docs < 1:
             raise ValueError(f"data.max_docs={self.max_docs} is invalid: use None (all) or >= 1")
         if self.txt_sample_by not in ("document", "paragraph", "line"):

@@ -2,12 +2,12 @@
 
 Layout. The stream is one contiguous token array T of n_seq * seq_len + 1 tokens; row i has
 input_ids = T[i*S : (i+1)*S] and labels = T[i*S+1 : (i+1)*S+1], so no token is lost between rows.
-Training documents (order shuffled by the seed) follow each other, each closed by EOS. A canary copy
-is written as EOS, canary, EOS, with its first token at `offset` >= 1 of its row: every canary token,
-the first one included, is then a label of that row, predicted from the same in-document context
-wherever the copy sits (which keeps the Goldfish mask identical across copies). Corpus text flows
-around the canaries; a document interrupted by a canary resumes after it as a new document. The tail
-of the last row is padding (label -100) when the text runs out.
+Training documents (or their pieces: data.text_piece_tokens), in an order shuffled by the seed, follow each
+other, each closed by EOS. A canary copy is written as EOS, canary, EOS, with its first token at `offset` >= 1
+of its row: every canary token, the first one included, is then a label of that row, predicted from the same
+in-document context wherever the copy sits (which keeps the Goldfish mask identical across copies). Corpus
+text flows around the canaries; a document interrupted by a canary resumes after it as a new document. The
+tail of the last row is padding (label -100) when the text runs out.
 
 doc_pos[t] is the position of T[t] inside its document: the number of tokens since the last EOS
 (or padding, or the start of the stream).
@@ -18,12 +18,12 @@ position ids that restart, transformers masks attention block-diagonally (packed
 document attends only to itself: a canary copy anywhere in a row is seen exactly as it is at evaluation,
 [EOS, canary] from position 0, whatever text precedes it in the row.
 
-The stream is a pure function of (corpus, tokenizer, seq_len, val_fraction, max_text_tokens, canary
-config, seed, and the batch size its row count is rounded up to): no model or parallel setting enters, so every
-model size and every grid trains on the same bytes. Rounding the rows up to a whole number of batches means a
-pass trains every row (a short last batch would not split over the grid), so no canary copy sits where no step
-reaches it. It is cached under <cache>/streams/<key>, key = hash of all of these.
-"""
+The stream is a pure function of (corpus, tokenizer, seq_len, val_fraction, max_text_tokens,
+text_piece_tokens, canary config, seed, and the batch size its row count is rounded up to): no model or
+parallel setting enters, so every model size and every grid trains on the same bytes. Rounding the rows up to
+a whole number of batches means a pass trains every row (a short last batch would not split over the grid), so
+no canary copy sits where no step reaches it. It is cached under <cache>/streams/<key>, key = hash of all of
+these."""
 
 from __future__ import annotations
 
@@ -214,6 +214,8 @@ def build_stream(data_cfg: DataConfig, canary_cfg: CanaryConfig | None = None, s
     spec = {"version": FORMAT_VERSION, "corpus": corpus.fingerprint, "tokenizer": tokenizer_fingerprint(tok),
             "seq_len": data_cfg.seq_len, "val_fraction": data_cfg.val_fraction,
             "max_text_tokens": data_cfg.max_text_tokens, "canaries": asdict(canary_cfg), "seed": seed}
+    if data_cfg.text_piece_tokens is not None:  # None keeps the keys of streams built before pieces existed
+        spec["text_piece_tokens"] = data_cfg.text_piece_tokens
     if canary_cfg.file is not None:  # the path alone would let an edited file come back from the cache
         spec["canaries_file_sha256"] = canary_file.file_digest(canary_cfg.file)
     if batch_size > 1:  # batch 1 keeps the keys streams had before rows were rounded
@@ -278,8 +280,14 @@ def _write_stream(folder: Path, data_cfg: DataConfig, canary_cfg: CanaryConfig, 
     if not train:
         raise ValueError(f"no training documents left in corpus {corpus.source!r} after holding out "
                          f"{len(val_idx)} validation and {len(held)} canary documents: use a larger corpus")
-    order = np.random.default_rng([seed, 1]).permutation(np.asarray(train))
-    text = np.concatenate([x for i in order for x in (docs[i], np.array([eos], dtype=np.int32))])
+    rng = np.random.default_rng([seed, 1])
+    P = data_cfg.text_piece_tokens
+    if P is None:
+        pieces = [docs[i] for i in rng.permutation(np.asarray(train))]
+    else:
+        pieces = [docs[i][k:k + P] for i in train for k in range(0, len(docs[i]), P)]
+        pieces = [pieces[j] for j in rng.permutation(len(pieces))]
+    text = np.concatenate([x for piece in pieces for x in (piece, np.array([eos], dtype=np.int32))])
     if data_cfg.max_text_tokens is not None:
         text = text[:data_cfg.max_text_tokens]
 

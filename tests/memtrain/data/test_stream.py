@@ -186,6 +186,33 @@ def test_max_text_tokens_caps_the_ordinary_text(data_cfg):
     assert 0 < only.unigram_entropy() < some.unigram_entropy() < np.log(only.vocab_size)
 
 
+
+def _documents(s: TrainStream) -> list[tuple[int, ...]]:
+    """The EOS-separated runs of a stream's text, in order (padding dropped)."""
+    tokens = s.tokens[s.tokens >= 0].tolist()
+    out, cur = [], []
+    for t in tokens:
+        if t == s.eos_id:
+            if cur:
+                out.append(tuple(cur))
+            cur = []
+        else:
+            cur.append(t)
+    return out + ([tuple(cur)] if cur else [])
+
+
+def test_text_pieces_cut_and_shuffle_the_same_text(data_cfg):
+    whole = build_stream(data_cfg, None, seed=0)
+    cut = build_stream(replace(data_cfg, text_piece_tokens=64), None, seed=0)
+    docs, pieces = _documents(whole), _documents(cut)
+    chunks = [d[k:k + 64] for d in docs for k in range(0, len(d), 64)]
+    assert max(map(len, pieces)) == 64 and max(map(len, docs)) > 64  # (its own cache entry, not whole's)
+    assert sorted(pieces) == sorted(chunks)  # the same tokens, cut at every 64th of a document
+    assert pieces != chunks  # and shuffled as pieces: a document's pieces are spread through the stream
+    assert cut.val_texts == whole.val_texts  # validation documents stay whole
+    with pytest.raises(ValueError, match="text_piece_tokens=0"):
+        replace(data_cfg, text_piece_tokens=0)
+
 def test_seeds_in_different_pools_share_no_canary_document_and_train_on_the_same_text(data_cfg):
     pooled = replace(CANARIES, seed=None, number=1, kinds=["document"], pools=3)
     streams = [build_stream(data_cfg, pooled, seed=s) for s in range(3)]
