@@ -49,9 +49,10 @@ Measured on one GPU once (2026-11-24: NVIDIA H100 80GB HBM3, torch 2.11.0+cu130,
 defaults: llama-3.2-1b, bf16, batch 8 x 1024, 10 steps after 2): memtrain 40,236 tok/s, the plain loop 46,021;
 ratio 0.874, paired 0.866 [0.64, 0.89]: BELOW the 0.95 target; MFU 24.0% vs 27.4% of the 989 TFLOP/s datasheet
 peak; peak memory 43,992 MiB vs 45,863 (both models resident), the step's own part 13,973 vs 15,845 MiB. Where
-memtrain's step loses its 13% is not yet profiled (--profile shows it on the next GPU; candidates: the engine's
-own autograd functions for Linear, embedding and norms in place of HF's modules, the extra casts and per-tensor
-clipping work that make memtrain dispatch 27% more aten ops per step at ladder-1m on a CPU).
+memtrain's step loses its 13% is not yet profiled (--profile shows it on the next GPU). Candidates: the engine's
+own autograd functions for Linear, embedding and norms in place of HF's modules, and the extra views, detaches and
+casts that make memtrain dispatch 14% more aten ops in a step at ladder-1m on a CPU (7,548 vs 6,617, --profile).
+Since that run parallel.grad_norm no longer waits for the host once per parameter (146 times a step at this size).
 
 On a shared, loaded machine absolute figures drift; the paired ratio is the figure to read. With more
 runnable processes than cores, multi-threaded steps stall at OpenMP barriers whenever one thread is

@@ -32,7 +32,8 @@ def _bound(v: float) -> str:
 
 SEED_VARIES = ("A seed draws the canaries (which secrets, which held-out documents, from a pool no other seed "
                "uses), the rows they land in and the order of the pass; the base model of each size and its "
-               "initialization are shared by all seeds.")
+               "initialization are shared by all seeds: one pretraining run per size, whose run-to-run variation "
+               "(pretrain.seed) is not in these intervals.")
 
 
 def numbers(rows: list[dict]) -> dict:
