@@ -186,7 +186,6 @@ def test_max_text_tokens_caps_the_ordinary_text(data_cfg):
     assert 0 < only.unigram_entropy() < some.unigram_entropy() < np.log(only.vocab_size)
 
 
-
 def _documents(s: TrainStream) -> list[tuple[int, ...]]:
     """The EOS-separated runs of a stream's text, in order (padding dropped)."""
     tokens = s.tokens[s.tokens >= 0].tolist()
@@ -212,6 +211,7 @@ def test_text_pieces_cut_and_shuffle_the_same_text(data_cfg):
     assert cut.val_texts == whole.val_texts  # validation documents stay whole
     with pytest.raises(ValueError, match="text_piece_tokens=0"):
         replace(data_cfg, text_piece_tokens=0)
+
 
 def test_seeds_in_different_pools_share_no_canary_document_and_train_on_the_same_text(data_cfg):
     pooled = replace(CANARIES, seed=None, number=1, kinds=["document"], pools=3)
