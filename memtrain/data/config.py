@@ -43,9 +43,10 @@ class DataConfig:
     the training stream besides the canaries; None keeps all of it."""
     text_piece_tokens: int | None = None
     """Cut each training document into pieces of at most this many tokens before the shuffle, each piece then
-    read as a document of its own (EOS-closed); None shuffles whole documents. A run that reads only the start
-    of its stream (pretraining for a few hundred steps) then samples the whole corpus instead of its first few
-    shuffled files, one of which can hold a fifth of the tokens read. Validation and canary documents stay whole."""
+    read as a document of its own (EOS-closed); None shuffles whole documents. A run that reads only part of its
+    text (a few hundred pretraining steps, or max_text_tokens) then samples the whole corpus instead of its first
+    few shuffled files, one of which can hold a fifth of the tokens read. Validation and canary documents stay
+    whole."""
     cache_dir: str | None = None
     """Where tokenizers and prepared streams are cached; default $MEMTRAIN_CACHE or ~/.cache/memtrain."""
 
