@@ -31,7 +31,8 @@ def _bound(v: float) -> str:
 
 
 SEED_VARIES = ("A seed draws the canaries (which secrets, which held-out documents, from a pool no other seed "
-               "uses), the rows they land in and the order of the pass; the base model of each size and its "
+               "uses), the rows they land in and the order of the pass (under data.max_text_tokens, also which "
+               "of the text the pass holds); the base model of each size and its "
                "initialization are shared by all seeds: one pretraining run per size, whose run-to-run variation "
                "(pretrain.seed) is not in these intervals.")
 
