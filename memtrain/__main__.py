@@ -1,5 +1,3 @@
-import sys
+from memtrain.cli import run
 
-from memtrain.cli import main
-
-sys.exit(main())
+run()

@@ -209,6 +209,21 @@ def main(argv: list[str] | None = None) -> int:
     return run_command(lambda: args.fn(args))
 
 
+def run() -> None:
+    """The `memtrain` command and `python -m memtrain`: main(), then the process ends with its exit code.
+
+    A process of a launched world (torchrun, srun) ends with os._exit once main() has returned: its files are
+    written and closed and its process groups destroyed by then, and a gloo group something still references
+    is otherwise freed at interpreter teardown, where gloo aborts at random ("terminate called without an active
+    exception": SIGABRT after a finished run, which a launcher or a sweep reads as a failed one)."""
+    code = main()
+    if int(os.environ.get("WORLD_SIZE") or os.environ.get("SLURM_NTASKS") or 1) > 1:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()
 

@@ -54,6 +54,20 @@ def test_the_command_runs_as_a_new_process(how, tmp_path):
     assert len(lines) == 1 and lines[0].startswith("memtrain: error:"), r.stderr[-3000:]
 
 
+
+@pytest.mark.parametrize("how", ["python -m memtrain", "console script"])
+def test_a_process_of_a_launched_world_ends_with_its_code_and_all_its_output(how):
+    """In a world of several processes (WORLD_SIZE from torchrun) the command ends with os._exit, past gloo's random
+    abort at interpreter teardown: what it printed must still arrive, and its exit code must be main()'s."""
+    env = dict(ENV, WORLD_SIZE="2")
+    head = [sys.executable, "-m", "memtrain"] if how == "python -m memtrain" else \
+        [str(Path(sys.executable).with_name("memtrain"))]
+    r = subprocess.run([*head, "models"], capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
+    assert r.returncode == 0 and "width-384" in r.stdout and r.stdout.endswith("\n"), r.stdout[-500:] + r.stderr
+    r = subprocess.run([*head, "train", "--set", "train.lr=abc"], capture_output=True, text=True, env=env,
+                       cwd=ROOT, timeout=120)
+    assert r.returncode == 2 and r.stderr.startswith("memtrain: error:"), r.stderr[-2000:]
+
 @pytest.fixture(scope="module")
 def recipe(tiny_run):
     """The tiny recipe of tests/memtrain/conftest.py, over a corpus with two files that are not UTF-8."""
