@@ -78,6 +78,8 @@ def setup(cfg: RunConfig, grid: parallel.Grid):
     stream = _build_stream_once_per_node(cfg, grid)
     hf = build_model(cfg.model.name, vocab_size=stream.vocab_size, device="meta",
                      trust_remote_code=cfg.model.trust_remote_code, eos_token_id=stream.eos_id)
+    if cfg.model.fan_in_init:  # read by parallelize when it draws the seeded init
+        hf.config.initializer_range = hf.config.hidden_size ** -0.5
     plm = parallelize(hf, grid, mode=cfg.parallel.mode, seed=cfg.train.seed)
     return stream, plm
 

@@ -112,6 +112,19 @@ def _losses_on_grid(rank, world, degrees, recipe, ckpt):
     return rows.start, losses
 
 
+def test_fan_in_init_draws_the_seeded_weights_at_one_over_sqrt_width(recipe):
+    # The std of 20k+ normal draws is within 2% of its own with probability ~1 - 1e-9 (its relative SE is
+    # 1/sqrt(2n) < 0.5%): 5% tells the two rules apart (0.02 vs 1/sqrt(hidden), 4x apart at width 64).
+    grid = parallel.Grid(1, 1, 1, 1)
+    for fan_in in (False, True):
+        _, plm = setup(load(recipe, [f"model.fan_in_init={str(fan_in).lower()}"]), grid)
+        weights = plm.full_state_dict()
+        want = plm.config.hidden_size ** -0.5 if fan_in else 0.02
+        for key in ("model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight", "lm_head.weight"):
+            std = float(weights[key].float().std())
+            assert abs(std / want - 1) < 0.05, (fan_in, key, std, want)
+
+
 def test_checkpoint_reshards_across_grids(recipe, finished_run):
     ckpt = finished_run / "checkpoints" / "step_000006"
     reference = {}
