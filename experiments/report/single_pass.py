@@ -119,6 +119,28 @@ def dose_response(rows: list[dict]) -> dict[str, dict]:
     return out
 
 
+def goldfish_given_back(rows: list[dict]) -> list[dict]:
+    """Every canary a Goldfish run gave back verbatim (the final greedy extraction), with how many of its suffix
+    targets the loss dropped (the probe's suffix_dropped of suffix_tokens; None in rows from before it was
+    recorded). The mask hashes each canary's own tokens, so it cuts some suffixes far less than 1/k: at k=4, 1
+    or none of 16 targets for about 6% of canaries, and those train almost as under the standard loss."""
+    out = []
+    for r in ok_rows(rows):
+        loss = loss_of(r)
+        if not loss.startswith("goldfish"):
+            continue
+        last = ((r.get("passes") or [{}])[-1]).get("canaries") or {}
+        index = {cid: i for i, cid in enumerate(last.get("id") or [])}
+        for c in r.get("canaries") or []:
+            if c.get("inserted") and c.get("exact_match"):
+                i = index.get(c["id"])
+                dropped, tokens = ((last.get(key) or [None] * len(index))[i] if i is not None else None
+                                   for key in ("suffix_dropped", "suffix_tokens"))
+                out.append({"loss": loss, "model": str(r.get("model")), "seed": r.get("seed"), "id": c["id"],
+                            "copies": c.get("copies"), "dropped": dropped, "suffix": tokens})
+    return out
+
+
 def _base_exact(rows: list[dict], loss: str) -> dict[str, tuple[int, int]]:
     """Per model, exact matches of the members at pass 0 (the base model), pooled over seeds."""
     acc: dict = defaultdict(lambda: [0, 0])

@@ -12,7 +12,15 @@ from .aggregate import human
 from .figure_files import save_figure as _save
 from .figure_files import write_csv as _csv
 from .markdown import md_table
-from .single_pass import N_BOOT, dose_response, mia_one_exposure, one_exposure, training_order, utility
+from .single_pass import (
+    N_BOOT,
+    dose_response,
+    goldfish_given_back,
+    mia_one_exposure,
+    one_exposure,
+    training_order,
+    utility,
+)
 
 PALETTE = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b")
 
@@ -40,9 +48,9 @@ SEED_VARIES = ("A seed draws the canaries (which secrets, which held-out documen
 def numbers(rows: list[dict]) -> dict:
     """The section's numbers, computed once (the bootstraps are the report's costliest part): figure 1 ("once"),
     figure 2 ("dose"), held-out loss before and after the pass ("utility"), membership inference at one exposure
-    ("mia") and the training-order check ("order")."""
+    ("mia"), the training-order check ("order") and the canaries Goldfish gave back ("given_back")."""
     return {"once": one_exposure(rows), "dose": dose_response(rows), "utility": utility(rows),
-            "mia": mia_one_exposure(rows), "order": training_order(rows)}
+            "mia": mia_one_exposure(rows), "order": training_order(rows), "given_back": goldfish_given_back(rows)}
 
 
 def draw(nums: dict, fig_dir: Path) -> list[Path]:
@@ -114,6 +122,19 @@ def _top_copies(curve: list[tuple]) -> str:
     return f"{k}/{n} = {rate:.2f} [{lo:.2f}, {hi:.2f}]"
 
 
+def _given_back(canaries: list[dict], most: int = 6) -> str:
+    """The Goldfish canaries given back, each with the share of its suffix its mask dropped."""
+    def one(c):
+        cut = f"{c['dropped']} of its {c['suffix']} suffix targets dropped" if c["dropped"] is not None \
+            else "its dropped targets not recorded"
+        return f"{c['id']} ({c['loss']}, {c['model']}, seed {c['seed']}, {c['copies']} copies: {cut})"
+    if not canaries:
+        return ""
+    more = f", and {len(canaries) - most} more" if len(canaries) > most else ""
+    return (f" Given back ({len(canaries)}): " + "; ".join(one(c) for c in canaries[:most]) + more
+            + ". The mask hashes each canary's own tokens, so some suffixes lose far fewer than 1/k of their targets.")
+
+
 def summary(nums: dict) -> list[str]:
     """What the numbers say, in a paragraph: each claim with its n and interval, nulls said as nulls."""
     once, dose, util, mia = nums["once"], nums["dose"], nums["utility"], nums["mia"]
@@ -147,7 +168,7 @@ def summary(nums: dict) -> list[str]:
                        "cell).")
         else:
             out.append(f"**Goldfish.** Its highest exact match in any (size, copies) cell is {p[4]}/{p[5]} = "
-                       f"{p[1]:.2f} ({loss}, {m}, {p[0]} copies).")
+                       f"{p[1]:.2f} ({loss}, {m}, {p[0]} copies).{_given_back(nums['given_back'])}")
     std_util = [u for u in util if u["loss"] == "standard"]
     if std_util:
         base = [u["base"] for u in std_util]

@@ -21,7 +21,7 @@ from memtrain.hf import teacher_forced
 from memtrain.losses import drop_mask
 
 
-def _suffix_drops(seq: list[int], n_suffix: int, cfg: RunConfig) -> torch.Tensor:
+def suffix_drops(seq: list[int], n_suffix: int, cfg: RunConfig) -> torch.Tensor:
     """Bool [n_suffix]: the suffix targets the run's loss drops, for a sequence [EOS, canary] as trained."""
     labels = torch.tensor(seq[1:]).unsqueeze(0)
     doc_pos = torch.arange(1, len(seq)).unsqueeze(0)
@@ -39,7 +39,8 @@ def pass_scores(model, stream: TrainStream, cfg: RunConfig) -> dict:
     members: per (kind, copies) cell of the inserted canaries, k exact of n (the whole suffix of
     cfg.eval.suffix_len tokens greedily reproduced: identical to greedy extraction) and token accuracy; overall
     token accuracy and mean suffix loss. canaries: one column per measure over every canary and its twin (id,
-    inserted, kind, copies, exact, suffix_loss, and the suffix loss at dropped and kept positions). val_loss:
+    inserted, kind, copies, exact, suffix_loss, the suffix loss at dropped and kept positions, and how many of
+    its suffix_tokens targets the loss drops: suffix_dropped). val_loss:
     token-weighted, over up to eval.val_tokens of whole held-out documents (val_tokens: how many).
     """
     def suffix_of(ids, prefix_len):  # a user file's own split, else the last eval.suffix_len tokens
@@ -51,15 +52,17 @@ def pass_scores(model, stream: TrainStream, cfg: RunConfig) -> dict:
     val = stream.val_sequences(cfg.eval.val_docs, cfg.eval.val_tokens)
     scores = teacher_forced(model, seqs + val, batch_size=cfg.eval.batch_size)
     cols: dict[str, list] = {k: [] for k in ("id", "inserted", "kind", "copies", "exact", "suffix_loss",
-                                             "suffix_loss_dropped", "suffix_loss_kept")}
+                                             "suffix_loss_dropped", "suffix_loss_kept", "suffix_tokens",
+                                             "suffix_dropped")}
     cells: dict = {}
     for (c, member), seq, (loss, right) in zip(scored, seqs, scores):
         n_suffix = suffix_of(seq[1:], c.prefix_len if member else c.twin_prefix_len)
         loss, right = loss[-n_suffix:], right[-n_suffix:]
-        dropped = _suffix_drops(seq, n_suffix, cfg).numpy()
+        dropped = suffix_drops(seq, n_suffix, cfg).numpy()
         for key, value in (("id", c.id if member else f"{c.id}-twin"), ("inserted", member), ("kind", c.kind),
                            ("copies", c.copies), ("exact", bool(right.all())), ("suffix_loss", _mean(loss)),
-                           ("suffix_loss_dropped", _mean(loss, dropped)), ("suffix_loss_kept", _mean(loss, ~dropped))):
+                           ("suffix_loss_dropped", _mean(loss, dropped)), ("suffix_loss_kept", _mean(loss, ~dropped)),
+                           ("suffix_tokens", n_suffix), ("suffix_dropped", int(dropped.sum()))):
             cols[key].append(value)
         if member:
             cell = cells.setdefault(f"{c.kind}/{c.copies}", [0, 0, 0.0, 0.0])

@@ -117,3 +117,20 @@ def test_the_report_leads_with_the_single_pass_section_and_writes_csv_pdf_svg(ro
         for suffix in (".png", ".pdf", ".svg", ".csv"):
             assert (tmp_path / "figures" / f"{name}{suffix}").is_file()
     assert not (tmp_path / "figures" / "exact_match_vs_passes.png").exists()  # one pass: no curve over passes
+
+
+def test_goldfish_canaries_given_back_are_listed_with_the_suffix_targets_their_mask_dropped():
+    from experiments.report.single_pass_view import numbers, summary
+
+    rows = [_record("small", 1e5, "standard", 1, lambda c: min(1.0, c / 8), 0.2),
+            _record("small", 1e5, "goldfish k=4", 1, lambda c: 0.25 if c == 32 else 0.0, 0.05),  # c32-0 given back
+            _record("small", 1e5, "goldfish k=4", 2, lambda c: 0.25 if c == 32 else 0.0, 0.05)]  # (no columns)
+    last = rows[1]["passes"][-1]["canaries"]
+    last["suffix_tokens"] = [16] * len(last["id"])
+    last["suffix_dropped"] = [1 if cid == "c32-0" else 4 for cid in last["id"]]
+    got = single_pass.goldfish_given_back(rows)
+    assert [(g["seed"], g["id"], g["copies"], g["dropped"], g["suffix"]) for g in got] == \
+        [(1, "c32-0", 32, 1, 16), (2, "c32-0", 32, None, None)]
+    text = " ".join(summary(numbers(rows)))
+    assert "c32-0 (goldfish k=4, small, seed 1, 32 copies: 1 of its 16 suffix targets dropped)" in text
+    assert "seed 2, 32 copies: its dropped targets not recorded" in text

@@ -17,6 +17,9 @@ from pathlib import Path
 import pytest
 
 from experiments.report.stats import wilson
+from memtrain.config import RunConfig
+from memtrain.losses import LossConfig
+from memtrain.training.probe import suffix_drops
 from tests._helpers import once_per_session
 from tests.memtrain._helpers import memtrain, stdlib_corpus
 
@@ -95,6 +98,16 @@ def test_members_lose_more_suffix_loss_than_their_never_trained_twins(start):
     twin = [d for d, m in zip(drop, first["inserted"]) if not m]
     assert sum(member) / 16 > sum(twin) / 16 + 1.0, (member, twin)
     assert all(v is None for v in last["suffix_loss_dropped"]) and last["suffix_loss_kept"] == last["suffix_loss"]
+    assert last["suffix_dropped"] == [0] * 32 and last["suffix_tokens"] == [8] * 32
+
+
+def test_the_probe_counts_the_suffix_targets_the_loss_drops():
+    """A known answer without the hash: the static mask drops doc_pos % k == k - 1, so of the 16 suffix targets
+    of [EOS, 32 tokens] (doc_pos 17..32) it drops 19, 23, 27 and 31 at k=4; the standard loss drops none."""
+    seq = [0, *range(1, 33)]
+    static = RunConfig(loss=LossConfig(kind="goldfish", k=4, mask="static"))
+    assert suffix_drops(seq, 16, static).nonzero().flatten().tolist() == [2, 6, 10, 14]
+    assert int(suffix_drops(seq, 16, RunConfig()).sum()) == 0
 
 
 def test_buried_canaries_behind_document_attention_are_memorized_alike(start, recipe, tmp_path):
