@@ -64,6 +64,8 @@ SACCT = '''
         f = state / f"{job}.state"
         if f.is_file():
             print(f"{job}|{f.read_text().strip()}|localhost")
+    with open(state / "sacct.calls", "a") as calls:  # after the answer: a test can wait until the sweep has it
+        calls.write(" ".join(jobs) + "\\n")
 '''
 
 NO_ACCOUNTING = '''

@@ -46,6 +46,12 @@ FAKE = textwrap.dedent('''
         (out / "checkpoints").mkdir(parents=True, exist_ok=True)
         (out / "checkpoints" / "latest").write_text("step_000001")
         time.sleep(float(os.environ["FAKE_SLEEP"]))
+    hold = os.environ.get("FAKE_HOLD")
+    if hold and "--resume" not in args:  # a run that ends only when the test says so (the file exists)
+        for _ in range(6000):
+            if Path(hold).exists():
+                break
+            time.sleep(0.1)
     if name in os.environ.get("FAKE_FAIL", "").split(","):
         print("  5%|##  | 1/20 [00:01<00:19, loss=7.1]\\rTraceback (most recent call last):", file=sys.stderr)
         print(f"ValueError: planned failure of {name}", file=sys.stderr)

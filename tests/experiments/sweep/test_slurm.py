@@ -274,17 +274,36 @@ def test_slurm_jobs_through_a_stand_in_slurm(env, monkeypatch, capsys):
     assert cli.main(argv + ["--resume"]) == 0
     assert sorted(r["name"] for r in launched(env["log"])[n:]) == ["ladder-3m_standard"] * 2
 
-    # a job still running when the sweep that submitted it is gone: --resume waits for it (sacct says RUNNING)
-    os.environ["FAKE_SLEEP"] = "3"
+    # a job still running when the sweep that submitted it is gone: --resume waits for it (sacct says RUNNING).
+    # The job ends only once that sweep has asked sacct, however slow the machine (a fixed sleep raced it).
+    release = env["tmp"] / "release"
+    os.environ["FAKE_HOLD"] = str(release)
     other = env["tmp"] / "later"
     argv[argv.index("--out") + 1] = str(other)
     argv[argv.index("--only") + 1] = "ladder-10m_standard"
     assert cli.main(argv + ["--no-wait"]) == 0
     job_id = json.loads((other / "ladder-10m_standard" / "job.json").read_text())["job_id"]
     capsys.readouterr()
-    assert cli.main(argv + ["--resume"]) == 0
+    calls = env["tmp"] / "slurm" / "sacct.calls"
+    asked = calls.read_text().count("\n") if calls.exists() else 0
+    releaser = threading.Thread(target=_release_after_sacct, args=(calls, asked, release), daemon=True)
+    releaser.start()
+    try:
+        assert cli.main(argv + ["--resume"]) == 0
+    finally:
+        release.touch()
+        releaser.join()
     assert f"job {job_id} still queued or running: waiting for it" in capsys.readouterr().out
     assert [r["job"]["id"] for r in results(other)] == [job_id]
+
+
+def _release_after_sacct(calls: Path, asked: int, release: Path) -> None:
+    """Let the held job end once sacct has been asked about it again (the resuming sweep saw it RUNNING)."""
+    for _ in range(6000):
+        if calls.exists() and calls.read_text().count("\n") > asked:
+            break
+        time.sleep(0.05)
+    release.touch()
 
 
 def test_without_job_accounting_a_job_that_died_without_its_result_is_not_waited_for(env, monkeypatch, capsys):
