@@ -14,7 +14,7 @@ import threading
 import time
 from pathlib import Path
 
-from experiments.sweep import cli
+from experiments.sweep import cli, jobs
 from experiments.sweep import spec as specs
 from experiments.sweep.run import run_sweep
 from experiments.sweep.slurm_options import ClusterOptions
@@ -129,9 +129,10 @@ def test_resume_collects_a_finished_job_and_resubmits_a_removed_point(env):
     assert again[lost["point"]] == lost["job"]["id"] and again[removed["point"]] != removed["job"]["id"]
 
 
-def test_resume_waits_for_jobs_still_running_and_never_submits_them_twice(env, capsys):
+def test_resume_waits_for_jobs_still_running_and_never_submits_them_twice(env, capsys, monkeypatch):
     out = env["tmp"] / "runs"
-    os.environ["FAKE_SLEEP"] = "4"
+    release = env["tmp"] / "release"
+    os.environ["FAKE_HOLD"] = str(release)  # the jobs end once the resuming sweep has found both running
     argv = [str(env["spec"]), "--out", str(out), "--runner", env["runner"], "--no-report", "--only", "ladder-1m",
             *LOCAL]
     assert cli.main(argv + ["--no-wait"]) == 0  # submitted; this "sweep" exits, the jobs go on
@@ -139,7 +140,21 @@ def test_resume_waits_for_jobs_still_running_and_never_submits_them_twice(env, c
     assert "2 queued, running or not yet submitted" in printed
     assert not (out / "results.jsonl").exists()
     ids = {pid: json.loads((out / pid / "job.json").read_text())["job_id"] for pid in IDS[:2]}
-    assert cli.main(argv + ["--resume"]) == 0
+    seen_running = []
+
+    def pid_running(pid: int) -> bool:  # the real check, counted
+        alive = real_pid_running(pid)
+        seen_running.append(alive)
+        if sum(seen_running) == len(ids):
+            release.touch()
+        return alive
+
+    real_pid_running = jobs._pid_running
+    monkeypatch.setattr(jobs, "_pid_running", pid_running)
+    try:
+        assert cli.main(argv + ["--resume"]) == 0
+    finally:
+        release.touch()
     printed = capsys.readouterr().out
     for pid, job_id in ids.items():
         assert f"{pid}: job {job_id} still queued or running: waiting for it" in printed
