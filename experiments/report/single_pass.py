@@ -126,19 +126,23 @@ def goldfish_given_back(rows: list[dict]) -> list[dict]:
     or none of 16 targets for about 6% of canaries, and those train almost as under the standard loss."""
     out = []
     for r in ok_rows(rows):
-        loss = loss_of(r)
-        if not loss.startswith("goldfish"):
+        loss, pair = loss_of(r), _first_pass(r)
+        if not loss.startswith("goldfish") or not pair:
             continue
-        last = ((r.get("passes") or [{}])[-1]).get("canaries") or {}
-        index = {cid: i for i, cid in enumerate(last.get("id") or [])}
+        after = pair[1]
+        index = {cid: i for i, cid in enumerate(after["id"])}
         for c in r.get("canaries") or []:
             if c.get("inserted") and c.get("exact_match"):
                 i = index.get(c["id"])
-                dropped, tokens = ((last.get(key) or [None] * len(index))[i] if i is not None else None
-                                   for key in ("suffix_dropped", "suffix_tokens"))
                 out.append({"loss": loss, "model": str(r.get("model")), "seed": r.get("seed"), "id": c["id"],
-                            "copies": c.get("copies"), "dropped": dropped, "suffix": tokens})
+                            "copies": c.get("copies"), "dropped": _at(after, "suffix_dropped", i),
+                            "suffix": _at(after, "suffix_tokens", i)})
     return out
+
+
+def _at(columns: dict, key: str, i: int | None):
+    """columns[key][i]; None where the column (a row from before it was recorded) or the canary is missing."""
+    return columns[key][i] if key in columns and i is not None else None
 
 
 def _base_exact(rows: list[dict], loss: str) -> dict[str, tuple[int, int]]:

@@ -54,7 +54,6 @@ def test_the_command_runs_as_a_new_process(how, tmp_path):
     assert len(lines) == 1 and lines[0].startswith("memtrain: error:"), r.stderr[-3000:]
 
 
-
 @pytest.mark.parametrize("how", ["python -m memtrain", "console script"])
 def test_a_process_of_a_launched_world_ends_with_its_code_and_all_its_output(how):
     """In a world of several processes (WORLD_SIZE from torchrun) the command ends with os._exit, past gloo's random
@@ -67,6 +66,7 @@ def test_a_process_of_a_launched_world_ends_with_its_code_and_all_its_output(how
     r = subprocess.run([*head, "train", "--set", "train.lr=abc"], capture_output=True, text=True, env=env,
                        cwd=ROOT, timeout=120)
     assert r.returncode == 2 and r.stderr.startswith("memtrain: error:"), r.stderr[-2000:]
+
 
 @pytest.fixture(scope="module")
 def recipe(tiny_run):

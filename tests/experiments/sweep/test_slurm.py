@@ -140,7 +140,7 @@ def test_resume_waits_for_jobs_still_running_and_never_submits_them_twice(env, c
     assert "2 queued, running or not yet submitted" in printed
     assert not (out / "results.jsonl").exists()
     ids = {pid: json.loads((out / pid / "job.json").read_text())["job_id"] for pid in IDS[:2]}
-    seen_running = []
+    real_pid_running, seen_running = jobs._pid_running, []
 
     def pid_running(pid: int) -> bool:  # the real check, counted
         alive = real_pid_running(pid)
@@ -149,7 +149,6 @@ def test_resume_waits_for_jobs_still_running_and_never_submits_them_twice(env, c
             release.touch()
         return alive
 
-    real_pid_running = jobs._pid_running
     monkeypatch.setattr(jobs, "_pid_running", pid_running)
     try:
         assert cli.main(argv + ["--resume"]) == 0

@@ -71,6 +71,13 @@ def test_presets_parse(name):
         assert spec.pretrain.steps == 0
 
 
+def test_the_utility_preset_runs_the_single_pass_preset_s_settings():
+    """single-pass-utility is the single-pass study with one more arm: every setting but its arms must stay the
+    single-pass preset's (it once kept whole-file text after single-pass moved to pieces)."""
+    study, utility = specs.load_spec("single-pass"), specs.load_spec("single-pass-utility")
+    assert utility.base == study.base and utility.pretrain == study.pretrain
+
+
 def test_points_of_is_what_a_sweep_list_and_dry_run_take(tmp_path, capsys):
     spec = specs.parse_spec(tomllib.loads(SPEC), "mini.toml")
     resolved, points = specs.points_of(spec, ["pretrain.steps=7", "train.lr=0.01"], "offline", "goldfish")

@@ -101,7 +101,7 @@ def test_members_lose_more_suffix_loss_than_their_never_trained_twins(start):
     assert last["suffix_dropped"] == [0] * 32 and last["suffix_tokens"] == [8] * 32
 
 
-def test_the_probe_counts_the_suffix_targets_the_loss_drops():
+def test_suffix_drops_marks_the_suffix_targets_the_loss_drops():
     """A known answer without the hash: the static mask drops doc_pos % k == k - 1, so of the 16 suffix targets
     of [EOS, 32 tokens] (doc_pos 17..32) it drops 19, 23, 27 and 31 at k=4; the standard loss drops none."""
     seq = [0, *range(1, 33)]
