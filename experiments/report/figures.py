@@ -1,4 +1,5 @@
-"""The figures of a sweep report (PNG, matplotlib Agg, colour-blind palette), drawn from result records alone.
+"""The figures of a sweep report (matplotlib Agg, colour-blind palette), drawn from result records alone: each as
+PNG, PDF and SVG, with the numbers it draws as a CSV of the same name.
 
 Exact-match rates are pooled over seeds with 95% Wilson intervals (n = canaries x seeds, in the legend);
 other metrics average the seeds, bars spanning their min and max.
@@ -27,12 +28,13 @@ from .aggregate import (
     ok_rows,
     series,
 )
+from .figure_files import save_figure, write_csv
 from .passes import fig_threshold
 
 # Okabe-Ito: distinguishable with the common colour-vision deficiencies.
 PALETTE = ["#D55E00", "#0072B2", "#009E73", "#E69F00", "#56B4E9", "#CC79A7", "#F0E442", "#000000"]
 MARKERS = ["o", "s", "^", "D", "v", "P", "X", "*"]
-DPI = 150
+SERIES_CSV = ["loss", "model", "params", "value", "lo", "hi", "k", "n"]
 
 
 def _plt():
@@ -76,11 +78,17 @@ def _plot_series(ax, data: dict, labels: list[str]):
                     ms=6, **_style(loss, labels))
 
 
-def _save(fig, path: Path) -> Path:
+def _save(fig, path: Path, header: list[str], table: list[list]) -> Path:
+    """The figure in its three formats and `table` (what it draws) as the CSV beside it."""
     fig.tight_layout()
-    fig.savefig(path, dpi=DPI)
-    _plt().close(fig)
-    return path
+    write_csv(path.with_suffix(".csv"), header, table)
+    return save_figure(fig, path)
+
+
+def _series_table(data: dict, *lead) -> list[list]:
+    """CSV rows of a {loss: [(params, value, lo, hi, model[, k, n])]} series, each after `lead`."""
+    return [[*lead, loss, p[4], p[0], p[1], p[2], p[3], *(p[5:7] if len(p) > 6 else (None, None))]
+            for loss, pts in data.items() for p in pts]
 
 
 def _empty(fig, ax, text):
@@ -107,7 +115,7 @@ def fig_vs_size(rows, labels, path: Path, metric, ylabel: str, title: str, ylim=
         ax.set_ylabel(ylabel)
         ax.legend(fontsize=8)
     ax.set_title(title, fontsize=10)
-    return _save(fig, path)
+    return _save(fig, path, SERIES_CSV, _series_table(data))
 
 
 def fig_exact_by_copies(rows, labels, path: Path) -> Path:
@@ -117,8 +125,10 @@ def fig_exact_by_copies(rows, labels, path: Path) -> Path:
     fig, axes = plt.subplots(1, n, figsize=(3.4 * n + 0.6, 3.8), sharey=True, squeeze=False)
     if not copies:
         _empty(fig, axes[0][0], "no per-copy results")
+    table = []
     for ax, c in zip(axes[0], copies):
         data = final_exact(rows, block=c)
+        table += _series_table(data, c)
         if any(data.values()):
             _plot_series(ax, data, labels)
             _size_axis(ax, data)
@@ -130,7 +140,7 @@ def fig_exact_by_copies(rows, labels, path: Path) -> Path:
         axes[0][-1].legend(handles, names, fontsize=7)
     fig.suptitle("Exact match vs model size, by copies of the canary seen in training (copies per pass x passes)",
                  fontsize=10)
-    return _save(fig, path)
+    return _save(fig, path, ["copies", *SERIES_CSV], table)
 
 
 def _rouge_values(r: dict, inserted: bool) -> list[float]:
@@ -154,7 +164,7 @@ def fig_rouge(rows, labels, path: Path) -> Path:
     losses = [lbl for lbl in labels if any(loss_of(r) == lbl for r in ok)]
     fig, ax = plt.subplots(figsize=(max(6.4, 1.3 * len(models) * max(1, len(losses)) + 1.5), 4.4))
     width = 0.8 / max(1, len(losses) + 1)
-    drawn = False
+    drawn, table = False, []
     for i, model in enumerate(models):
         for j, loss in enumerate(losses + ["twins"]):
             if loss == "twins":
@@ -167,6 +177,7 @@ def fig_rouge(rows, labels, path: Path) -> Path:
                 color, hatch = _style(loss, labels)["color"], None
             if not vals:
                 continue
+            table += [[model, loss, v] for v in vals]
             pos = i + (j - len(losses) / 2) * width
             b = ax.boxplot([vals], positions=[pos], widths=width * 0.9, patch_artist=True, showfliers=True,
                            medianprops={"color": "black"}, flierprops={"markersize": 3})
@@ -191,7 +202,7 @@ def fig_rouge(rows, labels, path: Path) -> Path:
         ax.legend(handles=handles, fontsize=8)
         ax.grid(True, axis="y", alpha=0.3)
     ax.set_title("ROUGE-L distribution of inserted canaries, per model and loss", fontsize=10)
-    return _save(fig, path)
+    return _save(fig, path, ["model", "loss", "rouge_l"], table)
 
 
 def fig_exposure(rows, labels, path: Path) -> Path:
@@ -201,7 +212,7 @@ def fig_exposure(rows, labels, path: Path) -> Path:
     models = models_by_size(ok)
     cmap = plt.get_cmap("viridis")
     fig, axes = plt.subplots(1, len(losses), figsize=(4.2 * len(losses) + 0.6, 4.0), sharey=True, squeeze=False)
-    drawn = False
+    drawn, table = False, []
     for ax, loss in zip(axes[0], losses):
         for i, model in enumerate(models):
             pts = defaultdict(list)
@@ -215,6 +226,7 @@ def fig_exposure(rows, labels, path: Path) -> Path:
             if not pts:
                 continue
             xs = sorted(pts)
+            table += [[loss, model, f"{x:g}", sum(pts[x]) / len(pts[x]), len(pts[x])] for x in xs]
             ax.plot(xs, [sum(pts[x]) / len(pts[x]) for x in xs], marker="o", lw=1.6,
                     color=cmap(i / max(1, len(models) - 1) * 0.9), label=model)
             drawn = True
@@ -233,7 +245,7 @@ def fig_exposure(rows, labels, path: Path) -> Path:
     else:
         _empty(fig, axes[0][0], "no exposure values (random canaries)")
     fig.suptitle("Exposure of random canaries vs copies", fontsize=10)
-    return _save(fig, path)
+    return _save(fig, path, ["loss", "model", "copies", "mean_exposure_bits", "runs"], table)
 
 
 def fig_by_loss(rows, labels, path: Path) -> Path:
@@ -245,6 +257,7 @@ def fig_by_loss(rows, labels, path: Path) -> Path:
     fig, axes = plt.subplots(1, 3, figsize=(max(10.0, 1.1 * len(losses) * 3 + 2), 3.9), squeeze=False)
     cmap = plt.get_cmap("viridis")
     width = 0.8 / max(1, len(models))
+    table = []
     for ax, (key, name) in zip(axes[0], metrics):
         for i, model in enumerate(models):
             xs, ys = [], []
@@ -254,6 +267,7 @@ def fig_by_loss(rows, labels, path: Path) -> Path:
                 if a:
                     xs.append(j + (i - (len(models) - 1) / 2) * width)
                     ys.append(a[0])
+                    table.append([key, loss, model, *a])
             ax.bar(xs, ys, width=width * 0.95, color=cmap(i / max(1, len(models) - 1) * 0.9), label=model)
         ax.set_xticks(range(len(losses)))
         ax.set_xticklabels(losses, rotation=30, ha="right", fontsize=8)
@@ -269,7 +283,7 @@ def fig_by_loss(rows, labels, path: Path) -> Path:
     else:
         _empty(fig, axes[0][0], "no finished run")
     fig.suptitle("Memorization per loss variant", fontsize=10)
-    return _save(fig, path)
+    return _save(fig, path, ["metric", "loss", "model", "mean", "min", "max", "runs"], table)
 
 
 def fig_passes(rows, labels, path: Path, kind: str | None = None) -> Path:
@@ -279,10 +293,12 @@ def fig_passes(rows, labels, path: Path, kind: str | None = None) -> Path:
     panels = [lbl for lbl in labels if lbl in data] or ["-"]
     fig, axes = plt.subplots(1, len(panels), figsize=(4.6 * len(panels) + 0.6, 4.0), sharey=True, squeeze=False)
     cmap = plt.get_cmap("viridis")
+    table = []
     for ax, loss in zip(axes[0], panels):
         by_model = data.get(loss, {})
         for i, (model, c) in enumerate(by_model.items()):
             pts = c["passes"]
+            table += [[loss, model, c["params"], *pt] for pt in pts]
             color = cmap(i / max(1, len(by_model) - 1) * 0.9)
             xs = [pt[0] for pt in pts]
             ax.plot(xs, [pt[1] for pt in pts], marker="o", ms=3, lw=1.6, color=color,
@@ -299,7 +315,7 @@ def fig_passes(rows, labels, path: Path, kind: str | None = None) -> Path:
     if not any(data.values()):
         _empty(fig, axes[0][0], "no per-pass results (eval.every_pass)")
     fig.suptitle(f"Exact match vs passes{f' ({kind} canaries)' if kind else ''}, by model size", fontsize=10)
-    return _save(fig, path)
+    return _save(fig, path, ["loss", "model", "params", "pass", "rate", "lo", "hi", "k", "n"], table)
 
 
 def fig_lr_sweep(rows, path: Path) -> Path:
@@ -309,9 +325,11 @@ def fig_lr_sweep(rows, path: Path) -> Path:
     fig, ax = plt.subplots(figsize=(6.4, 4.4))
     data = lr_sweep(rows)
     cmap = plt.get_cmap("viridis")
+    table = []
     for i, (model, d) in enumerate(data.items()):
         color = cmap(i / max(1, len(data) - 1) * 0.9)
         pts = d["points"]
+        table += [[model, d["params"], *p] for p in pts]
         ax.plot([p[0] for p in pts], [p[2] for p in pts], marker="o", color=color,
                 label=f"{model} ({human(d['params'] or 0)}): best x{d['best_scale']:g}")
         best = max(pts, key=lambda p: p[2])
@@ -326,7 +344,7 @@ def fig_lr_sweep(rows, path: Path) -> Path:
     else:
         _empty(fig, ax, "no learning-rate sweep (axis train.lr_scale)")
     ax.set_title("Learning-rate sweep per size around the width rule", fontsize=10)
-    return _save(fig, path)
+    return _save(fig, path, ["model", "params", "lr_scale", "lr", "token_accuracy"], table)
 
 
 def draw_figures(rows: list[dict], fig_dir: Path, study: dict | None = None) -> list[Path]:

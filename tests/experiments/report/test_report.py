@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import csv
 import json
 import struct
 
@@ -100,6 +101,24 @@ def test_report_results_file_and_out_dir(tmp_path):
     assert made["report"] == tmp_path / "elsewhere" / "report.md"
     assert len(made["figures"]) == 7 and all(f.is_file() for f in made["figures"])
     assert made["runs"] == 16 and len(made["table"]) == 16
+
+
+def test_every_figure_is_also_pdf_and_svg_with_its_numbers_as_csv(tmp_path):
+    rows = synthetic_results(tmp_path / "results.jsonl", failed=False)
+    made = report.build_report(tmp_path)
+    for png in made["figures"]:
+        assert png.with_suffix(".pdf").read_bytes()[:4] == b"%PDF", png.name
+        assert "<svg" in png.with_suffix(".svg").read_text(), png.name
+        assert png.with_suffix(".csv").read_text().splitlines()[1:], f"{png.name}: its CSV holds no numbers"
+    by_copies = list(csv.DictReader((tmp_path / "figures" / "exact_match_by_copies.csv").open()))
+    top = {r["loss"]: r for r in by_copies if r["copies"] == "8" and r["model"] == "ladder-30m"}
+    assert (top["standard"]["k"], top["standard"]["n"], float(top["standard"]["value"])) == ("8", "8", 1.0)
+    assert (top["goldfish k=4"]["k"], float(top["goldfish k=4"]["value"])) == ("0", 0.0)
+    rouge = list(csv.DictReader((tmp_path / "figures" / "rougeL_distribution.csv").open()))
+    drawn = sorted(float(r["rouge_l"]) for r in rouge if r["model"] == "ladder-1m" and r["loss"] == "standard")
+    given = sorted(c["rouge_l"] for r in rows if r["model"] == "ladder-1m" and r["loss"] == "standard"
+                   for c in r["canaries"] if c["inserted"])
+    assert drawn == pytest.approx(given)
 
 
 def test_last_line_per_point_wins_and_torn_lines_are_skipped(tmp_path):
