@@ -110,11 +110,11 @@ def test_every_figure_is_also_pdf_and_svg_with_its_numbers_as_csv(tmp_path):
         assert png.with_suffix(".pdf").read_bytes()[:4] == b"%PDF", png.name
         assert "<svg" in png.with_suffix(".svg").read_text(), png.name
         assert png.with_suffix(".csv").read_text().splitlines()[1:], f"{png.name}: its CSV holds no numbers"
-    by_copies = list(csv.DictReader((tmp_path / "figures" / "exact_match_by_copies.csv").open()))
+    by_copies = list(csv.DictReader((tmp_path / "figures" / "exact_match_by_copies.csv").read_text().splitlines()))
     top = {r["loss"]: r for r in by_copies if r["copies"] == "8" and r["model"] == "ladder-30m"}
     assert (top["standard"]["k"], top["standard"]["n"], float(top["standard"]["value"])) == ("8", "8", 1.0)
     assert (top["goldfish k=4"]["k"], float(top["goldfish k=4"]["value"])) == ("0", 0.0)
-    rouge = list(csv.DictReader((tmp_path / "figures" / "rougeL_distribution.csv").open()))
+    rouge = list(csv.DictReader((tmp_path / "figures" / "rougeL_distribution.csv").read_text().splitlines()))
     drawn = sorted(float(r["rouge_l"]) for r in rouge if r["model"] == "ladder-1m" and r["loss"] == "standard")
     given = sorted(c["rouge_l"] for r in rows if r["model"] == "ladder-1m" and r["loss"] == "standard"
                    for c in r["canaries"] if c["inserted"])
