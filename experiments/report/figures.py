@@ -226,8 +226,9 @@ def fig_exposure(rows, labels, path: Path) -> Path:
             if not pts:
                 continue
             xs = sorted(pts)
-            table += [[loss, model, f"{x:g}", sum(pts[x]) / len(pts[x]), len(pts[x])] for x in xs]
-            ax.plot(xs, [sum(pts[x]) / len(pts[x]) for x in xs], marker="o", lw=1.6,
+            means = [sum(pts[x]) / len(pts[x]) for x in xs]
+            table += [[loss, model, f"{x:g}", m, len(pts[x])] for x, m in zip(xs, means)]
+            ax.plot(xs, means, marker="o", lw=1.6,
                     color=cmap(i / max(1, len(models) - 1) * 0.9), label=model)
             drawn = True
         ax.set_xscale("log", base=2)
