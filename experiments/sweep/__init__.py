@@ -34,13 +34,14 @@ A sweep spec is a TOML file:
     gpus_per_node = 8
     time = "24:00:00"
 
-Every point runs `python -m memtrain train --config RUN_DIR/config.toml --out RUN_DIR` (or under torchrun, or as
-a SLURM job) in its own directory <out>/<point-id>, and appends one line to <out>/results.jsonl when it ends
-(experiments/results.py): its axes, status, run and base directories, the eval.json contents, final training
-metrics and a compact per-canary list. The file is only ever appended to (and flushed), never rewritten; a
-failed run is recorded with the last line of its stderr and the sweep goes on. The report (experiments.report)
-is drawn from results.jsonl alone at the end, mirrored to a W&B run whose config is the spec; with W&B offline,
-the sweep's last line is one `wandb sync` command for all its runs (points, report, base models it pretrained).
+Every point runs `python -m memtrain train --config RUN_DIR/config.toml --out RUN_DIR` (forked from a warm server
+that imported it once, or under torchrun, or as a SLURM job) in its own directory <out>/<point-id>, and appends one
+line to <out>/results.jsonl when it ends (experiments/results.py): its axes, status, run and base directories, the
+eval.json contents, final training metrics and a compact per-canary list. The file is only ever appended to (and
+flushed), never rewritten; a failed run is recorded with the last line of its stderr and the sweep goes on. The
+report (experiments.report) is drawn from results.jsonl alone at the end, mirrored to a W&B run whose config is the
+spec; with W&B offline, the sweep's last line is one `wandb sync` command for all its runs (points, report, base
+models it pretrained).
 
 Base models: a fine-tuning study needs a trained model to start from. Offline, the sweep pretrains one per model
 size on a corpus WITHOUT canaries, cached under <cache>/base/<hash> (cache = data.cache_dir, $MEMTRAIN_CACHE or
@@ -58,6 +59,7 @@ experiments.report, to draw the report at the end):
     base_models    pretrained base models, cached by what determines them
     spec           spec files and presets, expanded into points (points_of)
     slurm_options  cluster options, a job's shape (nodes x tasks) and sbatch script
+    warm           the local launcher's runner: runs forked from a server that imported torch and memtrain once
     launch         command prefixes (local, torchrun, --runner), the run environment, the subprocess runner
 
 This file imports nothing: every task of a cluster job imports the package to unpickle jobs.TrainJob.

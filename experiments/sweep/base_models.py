@@ -4,7 +4,8 @@ $MEMTRAIN_CACHE or ~/.cache/memtrain) by a hash of everything that determines it
 other presets reuse it. Fine-tuning runs set model.init to it (point.py).
 
 `BaseModels` remembers what it built or failed to build, so the points of one size share one base and its
-failure; `build_first` builds the distinct ones side by side before any point runs."""
+failure; `build_first` builds the distinct ones side by side before any point runs (cluster jobs), `need` names
+the one a point waits for (the local loop starts a point as soon as its own base is ready)."""
 
 from __future__ import annotations
 
@@ -180,18 +181,24 @@ class BaseModels:
         pcfg.wandb.name = f"base-{label('model.name', cfg.model.name)}-{key[:8]}"
         return pcfg, cache_root(cfg) / "base" / key
 
-    def build_first(self, cfgs: list[RunConfig], workers: int | None = None) -> None:
-        """Build the base models `cfgs` want, side by side on `workers` threads (default: one per base), before
-        their points run: one per size and data (two points may share one). A failure is remembered; `get`
-        raises it again for each point that needs that base."""
-        distinct = {(c.model.name, json.dumps(c.to_dict()["data"], sort_keys=True)): c for c in cfgs
-                    if self.pre.applies_to(c)}
+    def need(self, cfg: RunConfig) -> str | None:
+        """Which base model a point of `cfg` starts from, as a name shared by the points that share it (one per
+        size and data), without preparing anything; None when it starts from none."""
+        if not self.pre.applies_to(cfg):
+            return None
+        return json.dumps([cfg.model.name, cfg.to_dict()["data"]], sort_keys=True)
+
+    def build_first(self, cfgs: list[RunConfig]) -> None:
+        """Build the base models `cfgs` want, side by side (a thread each), before their points run. A failure is
+        remembered; `get` raises it again for each point that needs that base."""
+        distinct = {key: c for c in cfgs if (key := self.need(c)) is not None}
         if not distinct:
             return
-        with ThreadPoolExecutor(workers or len(distinct)) as pool:
-            list(pool.map(self._try, distinct.values()))
+        with ThreadPoolExecutor(len(distinct)) as pool:
+            list(pool.map(self.try_get, distinct.values()))
 
-    def _try(self, cfg: RunConfig) -> None:
+    def try_get(self, cfg: RunConfig) -> None:
+        """`get`, its failure remembered for the points that need the base rather than raised."""
         try:
             self.get(cfg)
         except BaseModelError:  # remembered: the point that needs it fails with it

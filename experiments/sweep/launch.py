@@ -1,6 +1,7 @@
 """How a sweep starts a run on this machine: the command prefix (python -m memtrain, torchrun, or a custom runner)
 that a `train --config ... --out ...` tail is appended to, the environment it starts with, and a runner that
-executes it with its output in the run directory. (Cluster launchers, slurm and submitit-local: jobs.py.)"""
+executes it with its output in the run directory. (Cluster launchers, slurm and submitit-local: jobs.py.)
+(The local launcher forks its `python -m memtrain` runs from a warm server instead: warm.py.)"""
 
 from __future__ import annotations
 
@@ -77,13 +78,20 @@ def subprocess_runner(cmd: list, log_dir: Path) -> tuple[int, str | None]:
                 proc.kill()
                 proc.wait()
             raise
-    tail = (log_dir / "stderr.log").read_bytes()[-20000:].decode("utf-8", "replace")
-    return rc, (last_line(tail) if rc != 0 else None)
+    return rc, failure_line(log_dir, rc)
+
+
+def failure_line(log_dir: Path, rc: int) -> str | None:
+    """What a run that exited with `rc` said last on log_dir/stderr.log when it failed; None when it did not."""
+    if rc == 0:
+        return None
+    return last_line((log_dir / "stderr.log").read_bytes()[-20000:].decode("utf-8", "replace"))
 
 
 def die_with_parent() -> None:
-    """In the child, before exec: ask Linux for SIGTERM when the sweep dies, even by SIGKILL (which no handler
-    sees), so a killed sweep leaves no trainer running into a directory its --resume will reuse."""
+    """In the child, before exec (a forked run: first thing): ask Linux for SIGTERM when its parent dies (the sweep,
+    or the warm server, which ends with the sweep), even by SIGKILL (which no handler sees), so a killed sweep
+    leaves no trainer running into a directory its --resume will reuse."""
     try:
         import ctypes
 

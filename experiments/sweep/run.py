@@ -31,6 +31,7 @@ from .launch import CLUSTER_LAUNCHERS, Runner, default_command, subprocess_runne
 from .point import PointLife, check_point_dir
 from .slurm_options import ClusterOptions, merge
 from .spec import Point, Spec, points_of
+from .warm import warm_runner
 
 
 def run_sweep(spec: Spec, out_dir: str | Path | None = None, *, overrides: list[str] | None = None,
@@ -125,7 +126,7 @@ def _run_points(spec: Spec, points: list[Point], out: Path, *, overrides, resume
         + (f", {skipped} already done" if skipped else "") + f" -> {out}")
 
     command = default_command(launcher, nproc, runner)
-    run_fn = run_fn or subprocess_runner
+    run_fn = run_fn or (warm_runner if launcher == "local" else subprocess_runner)
     # on a cluster, base models are jobs too; jobs start in the submitting shell's directory: absolute paths
     bases = BaseModels(spec.pretrain, command, cluster.runner(spec.name) if cluster else run_fn, log=log)
     life = PointLife(spec, out.absolute() if cluster else out, command, bases, resume, log)
@@ -150,10 +151,7 @@ def _run_points(spec: Spec, points: list[Point], out: Path, *, overrides, resume
         for p in todo:
             run_point(p)
     else:  # biggest first, so that the last runs to finish are short ones
-        order = sorted(todo, key=lambda p: -_size(p.cfg.model.name))
-        bases.build_first([p.cfg for p in order], jobs)  # the bases first, side by side
-        with ThreadPoolExecutor(jobs) as pool:
-            list(pool.map(run_point, order))
+        _side_by_side(sorted(todo, key=lambda p: -_size(p.cfg.model.name)), bases, run_point, jobs)
     failed = [i for i in life.failed if i not in pending]  # a failed job collected and submitted again is pending
     ok = len(todo) - len(failed) - len(pending)
     waiting = f", {len(pending)} queued, running or not yet submitted (collect them with --resume)" if pending else ""
@@ -166,6 +164,64 @@ def _run_points(spec: Spec, points: list[Point], out: Path, *, overrides, resume
     if not pending:  # a run still in flight would be uploaded half-written
         _say_sync(out, bases.pretrained, log)
     return summary
+
+
+def _side_by_side(order: list[Point], bases: BaseModels, run_point, jobs: int) -> None:
+    """Run the points `jobs` at a time in `order`, each once its base model is built, and those base models: a
+    free worker takes the next base still to build, else the next point whose base is ready. The smaller bases'
+    points then start while the biggest base still pretrains (waiting for every base left a core idle for ~50 s
+    of the demo's width-384 pretraining). A bug in one worker stops the others taking more work."""
+    need = {p.id: bases.need(p.cfg) for p in order}
+    first: dict[str, RunConfig] = {}
+    for p in order:
+        if need[p.id] is not None:
+            first.setdefault(need[p.id], p.cfg)
+    tasks: list[tuple] = [("base", key, cfg) for key, cfg in first.items()] + [("point", need[p.id], p)
+                                                                             for p in order]
+    built: set[str] = set()
+    cond = threading.Condition()
+    stopping = threading.Event()
+
+    def take() -> tuple | None:
+        with cond:
+            while tasks and not stopping.is_set():
+                task = next((t for t in tasks if t[0] == "base" or t[1] is None or t[1] in built), None)
+                if task is not None:
+                    tasks.remove(task)
+                    return task
+                cond.wait()
+            return None
+
+    def halt() -> None:
+        stopping.set()
+        with cond:
+            cond.notify_all()
+
+    def work() -> None:
+        try:
+            while (task := take()) is not None:
+                kind, key, what = task
+                if kind == "point":
+                    run_point(what)
+                    continue
+                try:
+                    bases.try_get(what)  # a failure is the points' to record
+                finally:
+                    with cond:
+                        built.add(key)
+                        cond.notify_all()
+        except BaseException:
+            halt()
+            raise
+
+    with ThreadPoolExecutor(jobs) as pool:
+        workers = [pool.submit(work) for _ in range(jobs)]
+        try:
+            for f in workers:
+                f.result()
+        except BaseException:  # Ctrl-C reaches this thread: the runs in flight end (they got it too), no more start
+            halt()
+            raise
 
 
 def _size(model: str) -> int:

@@ -46,6 +46,8 @@ FAKE = textwrap.dedent('''
         (out / "checkpoints").mkdir(parents=True, exist_ok=True)
         (out / "checkpoints" / "latest").write_text("step_000001")
         time.sleep(float(os.environ["FAKE_SLEEP"]))
+    if os.environ.get("FAKE_SLOW") and name.startswith(os.environ["FAKE_SLOW"]):  # e.g. a big base's pretraining
+        time.sleep(6)
     hold = os.environ.get("FAKE_HOLD")
     if hold and "--resume" not in args:  # a run that ends only when the test says so (the file exists)
         for _ in range(6000):

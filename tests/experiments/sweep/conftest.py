@@ -17,6 +17,6 @@ def env(tmp_path, monkeypatch):
     monkeypatch.setenv("FAKE_LOG", str(log))
     monkeypatch.setenv("MEMTRAIN_CACHE", str(tmp_path / "cache"))
     monkeypatch.setenv("WANDB_MODE", "disabled")
-    for var in ("FAKE_FAIL", "FAKE_KILL", "FAKE_KILL_MARK", "FAKE_SLEEP", "FAKE_SQUEUE_SLOW", "FAKE_HOLD"):
+    for var in ("FAKE_FAIL", "FAKE_KILL", "FAKE_KILL_MARK", "FAKE_SLEEP", "FAKE_SQUEUE_SLOW", "FAKE_HOLD", "FAKE_SLOW"):
         monkeypatch.delenv(var, raising=False)
     return {"tmp": tmp_path, "runner": f"{sys.executable} {fake}", "spec": spec, "log": log}

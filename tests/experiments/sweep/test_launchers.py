@@ -1,8 +1,13 @@
-"""How a sweep launches runs: the command prefix (local, torchrun, a custom runner) and error lines."""
+"""How a sweep launches runs: the command prefix (local, torchrun, a custom runner), error lines, and the warm
+runner's forks."""
 
+import json
+import subprocess
+import sys
 from pathlib import Path
 
-from experiments.sweep import launch
+from experiments.sweep import launch, warm
+from tests.experiments.sweep._helpers import write_corpus
 
 
 def test_launch_commands():
@@ -16,3 +21,71 @@ def test_launch_commands():
     run = Path("runs/x")
     assert launch.train_tail(run) == ["train", "--config", str(run / "config.toml"), "--out", str(run)]
     assert launch.train_tail(run, resume=True)[-1] == "--resume"
+
+
+TINY = '''
+[model]
+name = "width-32"
+[data]
+corpus = "{corpus}"
+vocab_size = 320
+seq_len = 64
+[canaries]
+number = 2
+copies = [1]
+length = 24
+[train]
+batch_size = 4
+max_steps = 12
+[eval]
+suffix_len = 8
+exposure_samples = 8
+val_docs = 2
+'''
+
+
+def test_a_forked_run_trains_bitwise_as_the_command_line_does(tmp_path, monkeypatch):
+    """The warm runner's fork of `python -m memtrain train` gives the cold command's losses and scores bit for bit,
+    fails as the command does, runs in the caller's working directory (its server started in another), and in the
+    caller's environment of the moment (another environment, another server)."""
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    monkeypatch.setenv("MEMTRAIN_CACHE", str(tmp_path / "cache"))
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    prefix = launch.default_command()
+    rc, line = warm.warm_runner(prefix + ["train", "--config", "missing.toml"], tmp_path / "failed")
+    assert rc == 2 and "missing.toml" in line  # the one-line error, as the command prints it
+    started_elsewhere = warm._server
+
+    write_corpus(tmp_path / "corpus")
+    (tmp_path / "tiny.toml").write_text(TINY.format(corpus=tmp_path / "corpus"))
+    monkeypatch.chdir(tmp_path)  # relative paths from here on
+    for name, runner in (("cold", launch.subprocess_runner), ("warm", warm.warm_runner)):
+        assert runner(prefix + ["train", "--config", "tiny.toml", "--out", name], Path(name)) == (0, None)
+    losses = [[json.loads(line)["loss"] for line in (Path(run) / "metrics.jsonl").read_text().splitlines()]
+              for run in ("cold", "warm")]
+    assert len(losses[0]) == 12 and losses[0] == losses[1]
+    scores = [json.loads((Path(run) / "eval.json").read_text()) for run in ("cold", "warm")]
+    assert scores[0]["val_loss"] == scores[1]["val_loss"] and scores[0]["exposure_mean"] == scores[1]["exposure_mean"]
+    assert "done: trained 12 steps" in Path("warm/stdout.log").read_text()
+    assert warm._server is started_elsewhere  # the same environment, the same server: its fork moved here
+    assert not Path("warm/wandb").exists()
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    assert warm.warm_runner(prefix + ["train", "--config", "tiny.toml", "--out", "offline"], Path("offline")) == \
+        (0, None)
+    assert list(Path("offline/wandb").glob("offline-run-*"))
+    assert warm._server is not started_elsewhere
+
+
+def test_the_warm_servers_imports_leave_it_forkable():
+    """What the server imports starts no Python thread (a fork keeps only the forking one: a lock another held
+    stays held in the child) and initializes no CUDA (a forked child could not use it)."""
+    probe = ("import importlib, threading, torch; from experiments.sweep.warm import MODULES\n"
+             "for m in MODULES: importlib.import_module(m)\n"
+             "print(threading.active_count(), torch.cuda.is_initialized())")
+    r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=launch.run_env(),
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.split() == ["1", "False"]

@@ -118,7 +118,9 @@ def test_changed_config_reruns_on_resume(env):
     assert len(results(out)) == 2 * len(IDS)
 
 
-def test_base_models_pretrained_once_on_a_disjoint_corpus_and_reused(env, tmp_path):
+def _two_sizes_with_bases(tmp_path: Path) -> Path:
+    """A spec of two ladder sizes x {standard, goldfish}, each size fine-tuned from a base pretrained 5 steps on a
+    corpus disjoint from its fine-tuning documents."""
     corpus = write_corpus(tmp_path / "corpus", 40)
     spec_path = tmp_path / "pre.toml"
     spec_path.write_text(textwrap.dedent(f'''
@@ -139,6 +141,26 @@ def test_base_models_pretrained_once_on_a_disjoint_corpus_and_reused(env, tmp_pa
         corpus = "disjoint"
         max_docs = 20
     '''))
+    return spec_path
+
+
+def test_side_by_side_a_point_starts_while_a_bigger_base_still_pretrains(env, tmp_path, monkeypatch):
+    """Two at a time: the big size's base pretrains (6 s here) while the other worker builds the small base and
+    starts its points; no point waits for a base other than its own."""
+    monkeypatch.setenv("FAKE_SLOW", "base-ladder-3m")
+    summary = run_sweep(specs.load_spec(_two_sizes_with_bases(tmp_path)), tmp_path / "out", runner=env["runner"],
+                        report=False, jobs=2, log=lambda *a: None)
+    assert summary["ok"] == 4
+    order = [("base" if c["pretrain"] else "point", c["config"]["model"]["name"]) for c in launched(env["log"])]
+    points = [model for kind, model in order if kind == "point"]
+    assert points[0] == "ladder-1m"  # waiting for every base, ladder-3m's points came first
+    assert sorted(points) == ["ladder-1m"] * 2 + ["ladder-3m"] * 2
+    started = {model: order.index(("base", model)) for model in ("ladder-1m", "ladder-3m")}
+    assert all(started[model] < i for i, (kind, model) in enumerate(order) if kind == "point")
+
+
+def test_base_models_pretrained_once_on_a_disjoint_corpus_and_reused(env, tmp_path):
+    spec_path = _two_sizes_with_bases(tmp_path)
     quiet = {"runner": env["runner"], "report": False, "log": lambda *a: None}
     run_sweep(specs.load_spec(spec_path), tmp_path / "first", **quiet)
     calls = launched(env["log"])
@@ -188,7 +210,8 @@ def test_base_models_pretrained_once_on_a_disjoint_corpus_and_reused(env, tmp_pa
     run_sweep(specs.load_spec(spec_path), tmp_path / "parallel", jobs=2, **quiet)
     calls = launched(env["log"])[n:]
     assert sorted(c["config"]["model"]["name"] for c in calls if c["pretrain"]) == ["ladder-1m", "ladder-3m"]
-    assert [c["pretrain"] for c in calls] == [True, True, False, False, False, False]
+    started = {c["config"]["model"]["name"]: i for i, c in enumerate(calls) if c["pretrain"]}
+    assert all(started[c["config"]["model"]["name"]] < i for i, c in enumerate(calls) if not c["pretrain"])
     rows = results(tmp_path / "parallel")
     assert sorted(r["point"] for r in rows) == sorted(r["point"] for r in results(tmp_path / "first"))
     assert all(r["status"] == "ok" for r in rows)

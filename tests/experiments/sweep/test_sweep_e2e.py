@@ -148,15 +148,15 @@ def test_sweep_killed_with_sigkill_takes_its_trainer_along_and_resumes(tmp_path)
 
 
 def _trainers_of(out: Path) -> list[int]:
-    """Live `memtrain train` processes writing under `out` (from /proc: no extra dependency)."""
+    """Live trainer processes writing under `out`: their stdout is a run's stdout.log there (from /proc: no extra
+    dependency; a run forked from the sweep's warm server has that server's command line, not its own)."""
     pids = []
     for proc in Path("/proc").iterdir():
         try:
-            argv = (proc / "cmdline").read_bytes().split(b"\0")
+            stdout = os.readlink(proc / "fd" / "1")
+            status = (proc / "status").read_text()
         except OSError:
             continue
-        if proc.name.isdigit() and b"train" in argv and any(str(out).encode() in a for a in argv):
-            status = (proc / "status").read_text()
-            if "\nState:\tZ" not in status:
-                pids.append(int(proc.name))
+        if proc.name.isdigit() and stdout.startswith(str(out)) and "\nState:\tZ" not in status:
+            pids.append(int(proc.name))
     return pids
