@@ -20,7 +20,7 @@ demo: $(VENV)/.installed
 	$(PY) -m memtrain demo
 
 test: $(VENV)/.installed
-	$(PY) -m pytest -q -n 2
+	$(PY) -m pytest -q -n 2 --durations=15
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check .
