@@ -64,30 +64,43 @@ def mfu_peak(device: torch.device, dtype: torch.dtype = torch.float32) -> Peak:
 def matmul_peak_flops(device: torch.device, dtype: torch.dtype = torch.float32, n: int = 1024,
                       reps: int = 5) -> float:
     """Best-of-`reps` FLOP/s of an n x n x n matmul on this device (measured once per process)."""
-    return 2 * n**3 / _best_matmul_seconds(device, dtype, n, reps)
+    return 2 * n**3 / _best_matmul_seconds(device, (dtype,), n, reps)[dtype]
 
 
 @functools.cache
-def bf16_faster(device: torch.device, n: int = 256, reps: int = 3) -> bool:
+def bf16_faster(device: torch.device, n: int = 256, reps: int = 10) -> bool:
     """Whether an n x n x n matmul runs faster in bf16 than in fp32 here (by 10% at least: a tie keeps fp32's
-    precision). On CUDA: whether the GPU supports bf16."""
+    precision). On CUDA: whether the GPU supports bf16.
+
+    The answer decides a run's dtype, so it must not depend on the load of the moment: the two dtypes' calls
+    alternate and each keeps its best of `reps`. A burst of other processes' work then slows both alike, and one
+    unhurried call of each suffices (timing all of bf16's calls first, a burst of a few milliseconds could make
+    one of two identical runs on a busy machine choose fp32)."""
     if device.type == "cuda":
         return torch.cuda.is_bf16_supported()
-    bf16 = _best_matmul_seconds(device, torch.bfloat16, n, reps)
-    return bf16 < 0.9 * _best_matmul_seconds(device, torch.float32, n, reps)
+    best = _best_matmul_seconds(device, (torch.bfloat16, torch.float32), n, reps)
+    return best[torch.bfloat16] < 0.9 * best[torch.float32]
 
 
-def _best_matmul_seconds(device: torch.device, dtype: torch.dtype, n: int, reps: int) -> float:
+def _matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return a @ b
+
+
+def _best_matmul_seconds(device: torch.device, dtypes: tuple[torch.dtype, ...], n: int, reps: int) -> dict:
+    """Best-of-`reps` seconds of an n x n x n matmul in each of `dtypes`, their calls interleaved."""
     g = torch.Generator().manual_seed(0)
-    a = torch.randn(n, n, generator=g).to(device=device, dtype=dtype)
-    b = torch.randn(n, n, generator=g).to(device=device, dtype=dtype)
-    best = float("inf")
-    for _ in range(reps + 1):  # the first call warms up
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        t0 = time.perf_counter()
-        a @ b
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        best = min(best, time.perf_counter() - t0)
+    a = torch.randn(n, n, generator=g)
+    b = torch.randn(n, n, generator=g)
+    operands = {dtype: (a.to(device=device, dtype=dtype), b.to(device=device, dtype=dtype)) for dtype in dtypes}
+    best = dict.fromkeys(dtypes, float("inf"))
+    for rep in range(reps + 1):  # the first round warms up
+        for dtype, (x, y) in operands.items():
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            t0 = time.perf_counter()
+            _matmul(x, y)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            if rep:
+                best[dtype] = min(best[dtype], time.perf_counter() - t0)
     return best

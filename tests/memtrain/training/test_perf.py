@@ -4,6 +4,7 @@ and the measured matmul everywhere else."""
 import pytest
 import torch
 
+from memtrain.training import perf
 from memtrain.training.perf import datasheet_peak, matmul_peak_flops, mfu_peak
 
 
@@ -33,3 +34,32 @@ def test_a_cpu_peak_is_its_measured_matmul():
     peak = mfu_peak(cpu)
     assert peak.flops == matmul_peak_flops(cpu, torch.float32, 1024) > 0
     assert peak.source == "measured fp32 1024^3 matmul on this CPU"
+
+
+@pytest.mark.parametrize("seconds, bf16", [({torch.bfloat16: 1.0, torch.float32: 3.0}, True),  # AVX512-BF16, AMX
+                                            ({torch.bfloat16: 30.0, torch.float32: 1.0}, False)])  # AVX2 only
+def test_the_precision_probe_is_not_swayed_by_a_burst_of_load(monkeypatch, seconds, bf16):
+    """A fake clock: every matmul takes its dtype's time, and 12 consecutive calls wherever they fall (another
+    process's burst, longer than one dtype's 10 timed calls) take 100 more. The probe still finds the faster dtype.
+    Timing all of one dtype's calls before the other's, as it did, a burst over that block decided for the slower
+    dtype."""
+    for start in range(2 * (10 + 1)):  # every position of the burst among the probe's calls
+        clock = _BurstClock(seconds, start, length=12)
+        monkeypatch.setattr(perf, "_matmul", clock.matmul)
+        monkeypatch.setattr(perf.time, "perf_counter", clock.now)
+        assert perf.bf16_faster.__wrapped__(torch.device("cpu"), n=8) is bf16, start
+
+
+class _BurstClock:
+    """Time that passes only in matmuls: each takes its dtype's seconds, and 100 more from call `start` on for
+    `length` calls."""
+
+    def __init__(self, seconds: dict, start: int, length: int):
+        self.seconds, self.burst, self.time, self.calls = seconds, range(start, start + length), 0.0, 0
+
+    def now(self) -> float:
+        return self.time
+
+    def matmul(self, a, b):
+        self.time += self.seconds[a.dtype] + 100.0 * (self.calls in self.burst)
+        self.calls += 1
