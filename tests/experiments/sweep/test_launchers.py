@@ -8,6 +8,7 @@ from pathlib import Path
 
 from experiments.sweep import launch, warm
 from tests.experiments.sweep._helpers import write_corpus
+from tests.memtrain._helpers import write_recipe
 
 
 def test_launch_commands():
@@ -21,27 +22,6 @@ def test_launch_commands():
     run = Path("runs/x")
     assert launch.train_tail(run) == ["train", "--config", str(run / "config.toml"), "--out", str(run)]
     assert launch.train_tail(run, resume=True)[-1] == "--resume"
-
-
-TINY = '''
-[model]
-name = "width-32"
-[data]
-corpus = "{corpus}"
-vocab_size = 320
-seq_len = 64
-[canaries]
-number = 2
-copies = [1]
-length = 24
-[train]
-batch_size = 4
-max_steps = 12
-[eval]
-suffix_len = 8
-exposure_samples = 8
-val_docs = 2
-'''
 
 
 def test_a_forked_run_trains_bitwise_as_the_command_line_does(tmp_path, monkeypatch):
@@ -58,8 +38,10 @@ def test_a_forked_run_trains_bitwise_as_the_command_line_does(tmp_path, monkeypa
     assert rc == 2 and "missing.toml" in line  # the one-line error, as the command prints it
     started_elsewhere = warm._server
 
-    write_corpus(tmp_path / "corpus")
-    (tmp_path / "tiny.toml").write_text(TINY.format(corpus=tmp_path / "corpus"))
+    write_recipe(tmp_path / "tiny.toml", write_corpus(tmp_path / "corpus"), tmp_path / "cache",
+                 model={"name": "width-32"}, data={"vocab_size": 320}, canaries={"copies": [1]},
+                 train={"batch_size": 4, "max_steps": 12}, eval={"exposure_samples": 8, "val_docs": 2},
+                 wandb={"mode": "auto"})  # W&B as the environment says
     monkeypatch.chdir(tmp_path)  # relative paths from here on
     for name, runner in (("cold", launch.subprocess_runner), ("warm", warm.warm_runner)):
         assert runner(prefix + ["train", "--config", "tiny.toml", "--out", name], Path(name)) == (0, None)
