@@ -72,13 +72,21 @@ def bf16_faster(device: torch.device, n: int = 256, reps: int = 10) -> bool:
     """Whether an n x n x n matmul runs faster in bf16 than in fp32 here (by 10% at least: a tie keeps fp32's
     precision). On CUDA: whether the GPU supports bf16.
 
-    The answer decides a run's dtype, so it must not depend on the load of the moment: the two dtypes' calls
-    alternate and each keeps its best of `reps`. A burst of other processes' work then slows both alike, and one
-    unhurried call of each suffices (timing all of bf16's calls first, a burst of a few milliseconds could make
-    one of two identical runs on a busy machine choose fp32)."""
+    The answer decides a run's dtype, so it must not depend on the load of the moment (two identical runs on a
+    busy machine chose differently, twice in the test suite):
+    - it compares the kernels on one thread: with two, under load, a call waits until both threads are scheduled,
+      which swung the bf16/fp32 ratio from 0.52 to 0.65 here (AMD EPYC with AVX512-BF16, 2 cores, 6 busy
+      processes), where one thread measured 0.51-0.53;
+    - the two dtypes' calls alternate and each keeps its best of `reps`: a burst of other processes' work slows
+      both alike, and one unhurried call of each suffices."""
     if device.type == "cuda":
         return torch.cuda.is_bf16_supported()
-    best = _best_matmul_seconds(device, (torch.bfloat16, torch.float32), n, reps)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        best = _best_matmul_seconds(device, (torch.bfloat16, torch.float32), n, reps)
+    finally:
+        torch.set_num_threads(threads)
     return best[torch.bfloat16] < 0.9 * best[torch.float32]
 
 

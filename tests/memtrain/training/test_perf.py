@@ -50,6 +50,18 @@ def test_the_precision_probe_is_not_swayed_by_a_burst_of_load(monkeypatch, secon
         assert perf.bf16_faster.__wrapped__(torch.device("cpu"), n=8) is bf16, start
 
 
+def test_the_precision_probe_times_one_thread_and_gives_the_count_back(monkeypatch):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    seen = []
+    monkeypatch.setattr(perf, "_matmul", lambda a, b: seen.append(torch.get_num_threads()))
+    try:
+        perf.bf16_faster.__wrapped__(torch.device("cpu"), n=8)
+        assert seen and set(seen) == {1} and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(threads)
+
+
 class _BurstClock:
     """Time that passes only in matmuls: each takes its dtype's seconds, and 100 more from call `start` on for
     `length` calls."""
