@@ -1,11 +1,11 @@
 """Planner vs measurement: does `memtrain plan` predict the step time of every 8-rank grid on this machine?
 
 On `--world` forked gloo ranks (file:// rendezvous, one torch thread each):
-1. measure this machine as `memtrain plan --measure` does, on every rank at once: its collectives per group size
-   (`measure_table`), the fp32 matmul rate per shape (`measure_matmuls`) and the rates of what a step spends besides
-   matmuls (`measure_other`: per kernel, per element of each elementwise kind, AdamW's, attention's per score;
-   memtrain/plan/probes.py); ranks sharing the cores share them in the probes as in the steps, so the rates are one
-   rank's share;
+1. measure this machine as `memtrain plan --measure` does, on every rank at once: each collective's time per group
+   size and payload, alone and queued (`measure_collectives`; payloads up to 4 MiB), the fp32 matmul rate per
+   shape (`measure_matmuls`) and the rates of what a step spends besides matmuls (`measure_other`: per kernel,
+   per element of each elementwise kind, AdamW's, attention's per score; memtrain/plan/probes.py); ranks sharing
+   the cores share them in the probes as in the steps, so the rates are one rank's share;
 2. time one training step of `--model` on every grid of that many ranks, in sharded and easy mode: the
    trainer's step (forward + backward per micro-batch, sync_gradients, clip_grad_norm_, AdamW). Grids run
    interleaved, one step each per round in a rotated order, each step after a barrier and timed as the slowest
@@ -23,11 +23,11 @@ On `--world` forked gloo ranks (file:// rendezvous, one torch thread each):
     python -m experiments.bench.planner [--model ladder-1m] [--batch 16] [--seq 64] [--rounds 5] [--json out.json]
 
 Nothing is fitted: the prediction uses only the tables measured in step 1. What it leaves out shows as the ratio
-error: mostly ranks waiting for each other more than in the collectives' probe (there every member is idle when a
-collective starts; in a step, with 8 ranks on 2 cores, each of sharded mode's many small all-reduces waits for
-busy members to be scheduled), and on a CPU the overlap credited to the gradient all-reduce (gloo's threads need
-the cores the backward uses). The load of other processes on a shared machine moves every figure: they are a
-check of the model, not a test.
+error, on 8 ranks sharing 2 cores mostly an under-prediction: a blocking collective costs more in a step than in
+the probe, where its members wait at a barrier and nothing else runs (a few ms more per call, growing with the
+group); what the data-parallel step spends beyond the probed rates (about 0.1 s at (8, 1, 1, 1)); and the overlap
+credited to async collectives (gloo's threads need the cores the compute uses). The load of other processes on a
+shared machine moves every figure: they are a check of the model, not a test.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ from memtrain.config import RunConfig
 from memtrain.hf import parallelize
 from memtrain.models import build_model
 from memtrain.plan import cost, search
-from memtrain.plan.network import Network, measure_table
+from memtrain.plan.network import Network, measure_collectives
 from memtrain.plan.probes import measure_matmuls, measure_other
 from memtrain.training import build_optimizer, train_step
 from parallel.forked import run_ranks
@@ -61,7 +61,7 @@ def grids(world: int) -> list[tuple[int, int, int, int]]:
 def probes(rank: int, world: int) -> dict:
     """One measurement of this machine, as `memtrain plan --measure` takes it (shorter matmul loops: it runs every
     round)."""
-    return {"collectives": measure_table(rank, world, world, sizes_mb=(0.05, 0.25, 1.0), iters=5),
+    return {**measure_collectives(rank, world, world, sizes_mb=(0.25, 1.0, 4.0), iters=3),
             "matmuls": measure_matmuls(("fp32",), min_seconds=0.01), **measure_other(("fp32",))}
 
 
@@ -124,7 +124,7 @@ def main(argv=None) -> dict:
                      "moved_mb": p.moved_bytes / 2**20})
     print(f"{args.model}, batch {args.batch} x {args.seq}, {args.world} gloo ranks; median of {args.rounds} rounds; "
           f"best matmul {peak / 1e9:.3g} GFLOP/s per rank (all ranks at once); {machine()}")
-    other = {k: v for k, v in res["network"].items() if k not in ("collectives", "matmuls")}
+    other = {k: v for k, v in res["network"].items() if k not in ("collectives", "collective_curves", "matmuls")}
     print(f"per kernel {other['op_overhead_s'] * 1e6:.3g} us; per element (ns) " + ", ".join(
         f"{k} {v * 1e9:.3g}" for k, v in other["elementwise"].items()) + f"; AdamW {other['optimizer'][0] * 1e9:.3g} "
         f"ns per parameter, {other['optimizer'][1] * 1e6:.3g} us per tensor")
@@ -134,7 +134,8 @@ def main(argv=None) -> dict:
                   f"{r['compute_s']:.4f}", f"{r['other_s']:.4f}", f"{r['comm_s']:.4f}",
                   f"{100 * r['measured_mfu']:.2f}%", f"{100 * r['predicted_mfu']:.2f}%", f"{r['moved_mb']:.2f}")
                  for r in sorted(rows, key=lambda r: r["measured_s"])]))
-    out = {"rows": rows, "table": res["network"]["collectives"], "matmuls": net.matmuls, "other": other, "spearman": {},
+    out = {"rows": rows, "table": res["network"]["collectives"], "curves": net.collective_curves,
+           "matmuls": net.matmuls, "other": other, "spearman": {},
            "spearman_comm_only": {}, "median_ratio_error": {}, "kendall": {}, "top3_recall": {}}
     for name, subset in [(m, [r for r in rows if r["mode"] == m]) for m in MODES] + [("all", rows)]:
         measured, predicted = [r["measured_s"] for r in subset], [r["predicted_s"] for r in subset]

@@ -53,7 +53,9 @@ the gradient norm) is on the critical path; OAR's window, one dW matmul per laye
 kinds sharing one link:
     step = compute + blocking + max(0, grads - last backward, weights + grads - (compute - optimizer))
 i.e. the gradient all-reduce hides behind the last backward at most, and the two together behind all compute
-before the optimizer (which needs the summed gradients).
+before the optimizer (which needs the summed gradients). The weights' and gradients' collectives are issued async,
+each queued behind the one before, so they take a measured machine's streamed times; the rest take its times of
+one call alone (network.Network.seconds).
 """
 
 from __future__ import annotations
@@ -249,17 +251,24 @@ def step_compute(shape: Shape, grid: Grid, mode: str, batch: int, seq: int, micr
 def comm_seconds(records: Counter, gradients: Counter, seconds) -> dict[str, float]:
     """Seconds of a step's records (cost.step_records) by what overlap can do with them: "weights" (Z all-gathers
     and reduce-scatters), "grads" (the gradient all-reduce, cost.gradient_records), "blocking" (the rest).
-    `seconds(record)` is one record's time."""
+    `seconds(record, streamed)` is one record's time, issued alone or queued behind others of its class."""
     out = {"blocking": 0.0, "weights": 0.0, "grads": 0.0}
     for r, n in gradients.items():
-        out["grads"] += n * seconds(r)
+        out["grads"] += n * seconds(r, True)
     for r, n in (records - gradients).items():
-        out["weights" if _weights(r) else "blocking"] += n * seconds(r)
+        out["weights" if weights(r) else "blocking"] += n * seconds(r, weights(r))
     return out
 
 
-def _weights(r: Record) -> bool:
+def weights(r: Record) -> bool:
+    """Whether a record is a weight's Z all-gather or reduce-scatter (the engine prefetches and defers them)."""
     return r.axes == "z" and r.op in ("all_gather", "reduce_scatter")
+
+
+def streamed(r: Record, gradients: Counter) -> bool:
+    """Whether the engine issues this record async, queued behind others of its class: a gradient bucket or a
+    weight's Z collective."""
+    return r in gradients or weights(r)
 
 
 def step_seconds(compute: float, last_backward: float, comm: dict[str, float], optimizer: float = 0.0) -> float:

@@ -1,12 +1,13 @@
 """The machine as the planner sees it: node size, device memory, what each collective, matmul and other op achieves.
 
 Presets live in machines.toml beside this file (with their sources); `memtrain plan --measure` writes a
-measured table (latency and bus bandwidth of every collective per group size, the GFLOP/s of matmuls per shape,
-and the rates of what a step spends besides matmuls; probes.py) that `--bandwidth` reads.
-A collective costs latency + ring-moved bytes (`parallel.comm.Record.moved_bytes`) / bandwidth, at the
-bandwidth of where its group sits: inside one node or across nodes (ranks are laid out X fastest, then Y,
-Z, data). A matmul [m, k] x [k, n] costs 2mkn FLOPs at the measured rate of its shape (interpolated), or,
-for a preset, at the GPU's dense peak times the fraction of it a large GEMM reaches.
+measured table (every collective's time per group size and payload, the GFLOP/s of matmuls per shape, and the
+rates of what a step spends besides matmuls; probes.py) that `--bandwidth` reads.
+A collective costs, where its group sits (inside one node or across nodes; ranks are laid out X fastest, then Y,
+Z, data): its measured time at that payload (`collective_curves`, interpolated), alone or queued behind others
+as the engine issues it; else latency + ring-moved bytes (`parallel.comm.Record.moved_bytes`) / bandwidth.
+A matmul [m, k] x [k, n] costs 2mkn FLOPs at the measured rate of its shape (interpolated), or, for a preset, at
+the GPU's dense peak times the fraction of it a large GEMM reaches.
 The rest of a step (compute.py's non-matmul term) costs, at measured rates: a fixed time per kernel, a time per
 element of each kind of elementwise layer, AdamW's time per parameter element and per parameter tensor, and
 attention's kernel time per score. A preset, or a table measured before these rates were, has none of them: the
@@ -19,6 +20,7 @@ import bisect
 import itertools
 import json
 import math
+import statistics
 import time
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -35,6 +37,15 @@ GB = 1e9
 ELEMENTWISE = ("norm", "act", "add", "rotary", "loss")
 """Kinds of elementwise layer whose rate `memtrain plan --measure` probes (`Network.elementwise`): a norm, the MLP's
 activation (SiLU x mul), an add or copy (residual adds, biases, re-layouts), rotary embedding, the loss."""
+SMALL_MESSAGES = (64, 4096, 65536)
+"""Payload bytes the collective probe times below its MiB sizes: a step's losses, norm statistics and small shards.
+There a CPU group's time is mostly its members waking one another, and no latency + bytes / bandwidth line
+fits it: on 8 gloo ranks sharing 2 cores an all-reduce of one value per member took half the time of a 1 KiB one."""
+STREAMED = 3
+"""Async calls the probe queues back to back to time one call of a stream."""
+ASYNC_OPS = ("all_reduce", "all_gather", "reduce_scatter")
+"""The ops the engine also issues async (parallel.comm): the weights' Z gathers and reduce-scatters, the gradient
+buckets."""
 
 
 @dataclass
@@ -50,7 +61,13 @@ class Network:
     inter_node_gbps: float = 25.0
     """Ring bandwidth across nodes, GB/s per GPU (the node's network injection bandwidth per GPU)."""
     collectives: dict = field(default_factory=dict)
-    """Measured: op -> "intra"/"inter" -> {group size: [GB/s, latency us]}, from `memtrain plan --measure`."""
+    """Measured: op -> "intra"/"inter" -> {group size: [GB/s, latency us]}, from `memtrain plan --measure` (a summary
+    of `collective_curves`, which the planner uses where it has them)."""
+    collective_curves: dict = field(default_factory=dict)
+    """Measured: op -> "intra"/"inter" -> {group size: {"bytes": [...], "isolated": [s...], "streamed": [s...]}}: one
+    call's seconds per payload, alone after a barrier (as a blocking collective meets its members in a step) and,
+    for ASYNC_OPS, queued behind others of its kind (as the engine's prefetched gathers, deferred reduce-scatters
+    and gradient buckets run). Where an op has one, it replaces `collectives`' latency + bytes / bandwidth."""
     bf16_tflops: float = 312.0
     """Dense peak matmul TFLOP/s of one GPU in bf16 (tensor cores, no sparsity)."""
     fp32_tflops: float = 19.5
@@ -74,13 +91,19 @@ class Network:
     SDPA's time per element of its seq x seq score square per head; none: attention at the matmul rate alone."""
     source: str = ""
 
-    def seconds(self, record: Record, inside_node: bool) -> float:
-        """Time of one collective: latency + ring-moved bytes / bandwidth, from the nearest measured group size."""
+    def seconds(self, record: Record, inside_node: bool, streamed: bool = False) -> float:
+        """Time of one collective, from the nearest measured group size: its measured curve at this payload (the
+        streamed one for a call queued behind others), else latency + ring-moved bytes / bandwidth."""
+        place = "intra" if inside_node else "inter"
+        curves = (self.collective_curves.get(record.op) or {}).get(place)
+        if curves:
+            curve = curves[_nearest(curves, record.group_size)]
+            times = curve["streamed"] if streamed and "streamed" in curve else curve["isolated"]
+            return _interpolate(curve["bytes"], times, record.nbytes)
         table = self.collectives.get(record.op) or self.collectives.get("all_gather", {})
-        sizes = table.get("intra" if inside_node else "inter") or {}
+        sizes = table.get(place) or {}
         if sizes:
-            q = min(sizes, key=lambda s: abs(math.log(int(s) / record.group_size)))
-            gbps, latency_us = sizes[q]
+            gbps, latency_us = sizes[_nearest(sizes, record.group_size)]
         else:
             gbps, latency_us = (self.intra_node_gbps if inside_node else self.inter_node_gbps), 0.0
         return latency_us * 1e-6 + record.moved_bytes / (gbps * GB)
@@ -131,6 +154,27 @@ class Network:
         j = min(i + 1, len(dims) - 1)
         w = (v - dims[i]) / (dims[j] - dims[i]) if j > i else 0.0
         return tuple(math.exp((1 - w) * math.log(rates[i][k]) + w * math.log(rates[j][k])) for k in (0, 1))
+
+
+def _nearest(by_size: dict, group_size: int) -> str:
+    """The measured group size (a key) nearest to `group_size` on a log scale."""
+    return min(by_size, key=lambda s: abs(math.log(int(s) / group_size)))
+
+
+def _interpolate(sizes: list[int], seconds: list[float], nbytes: int) -> float:
+    """Seconds at `nbytes`, piecewise linear between measured payloads; below the smallest, its time; above the
+    largest, its time plus the extra bytes at the last segment's rate (the whole range's when noise made that
+    one fall)."""
+    if nbytes <= sizes[0]:
+        return seconds[0]
+    i = bisect.bisect_left(sizes, nbytes)
+    if i < len(sizes):
+        w = (nbytes - sizes[i - 1]) / (sizes[i] - sizes[i - 1])
+        return (1 - w) * seconds[i - 1] + w * seconds[i]
+    rate = (seconds[-1] - seconds[-2]) / (sizes[-1] - sizes[-2])
+    if rate <= 0:
+        rate = max(seconds[-1] - seconds[0], 0.0) / (sizes[-1] - sizes[0]) or seconds[-1] / sizes[-1]
+    return seconds[-1] + (nbytes - sizes[-1]) * rate
 
 
 def machines() -> dict[str, dict]:
@@ -218,6 +262,14 @@ def _check_table(path: Path, net: Network) -> None:
                         and _positive(entry[0]) and (entry[1] == 0 or _positive(entry[1]))):
                     raise bad(f"collectives.{op}.{place}", f"entry {size!r}: {entry!r} is not [GB/s > 0, latency us "
                               ">= 0] for a group size >= 1")
+    if not isinstance(net.collective_curves, dict):
+        raise bad("collective_curves", "is not a table of tables")
+    for op, places in net.collective_curves.items():
+        for place, curves in (places.items() if isinstance(places, dict) else [("?", None)]):
+            for size, curve in (curves.items() if isinstance(curves, dict) else [("?", None)]):
+                if not (str(size).isdigit() and int(size) >= 1 and _curve(curve)):
+                    raise bad(f"collective_curves.{op}.{place}", f"entry {size!r} is not {{bytes: two or more "
+                              "increasing sizes, isolated (and streamed): seconds > 0 per size} for a group size >= 1")
     for precision, table in net.matmuls.items():
         dims = table.get("dims")
         n = len(dims) if isinstance(dims, list) else 0
@@ -238,6 +290,18 @@ def _check_table(path: Path, net: Network) -> None:
                       "per score > 0 each")
 
 
+def _curve(curve) -> bool:
+    """A collective curve's shape: increasing payloads, and a positive time for each in every series."""
+    if not isinstance(curve, dict) or set(curve) - {"bytes", "isolated", "streamed"} or "isolated" not in curve:
+        return False
+    sizes = curve.get("bytes")
+    if not (isinstance(sizes, list) and len(sizes) >= 2 and all(_positive(b) and isinstance(b, int) for b in sizes)
+            and sizes == sorted(set(sizes))):
+        return False
+    return all(isinstance(curve[k], list) and len(curve[k]) == len(sizes) and all(map(_positive, curve[k]))
+               for k in ("isolated", "streamed") if k in curve)
+
+
 def inside_node(grid: Grid, axes, gpus_per_node: int) -> bool:
     """Whether every group over `axes` lies in one node. Rank = x + X*(y + Y*(z + Z*data)), so a group spans
     the contiguous block of ranks up to its slowest axis; it stays inside a node when nodes are whole such blocks."""
@@ -252,11 +316,15 @@ def inside_node(grid: Grid, axes, gpus_per_node: int) -> bool:
 # Measuring this machine's collectives (inside an initialized process group; the other probes: probes.py).
 
 
-def measure_table(rank: int, world: int, gpus_per_node: int, sizes_mb=(0.25, 1.0, 4.0), iters: int = 5,
-                  device=None) -> dict:
-    """Latency and bus bandwidth of each collective per group size (groups of consecutive ranks): the latency is
-    the time of a one-value-per-member message, the bandwidth the least-squares slope of time - latency against
-    moved bytes over `sizes_mb`. Every rank returns the same table."""
+def measure_collectives(rank: int, world: int, gpus_per_node: int, sizes_mb=(0.25, 1.0, 4.0), iters: int = 5,
+                        device=None) -> dict:
+    """Every collective per group size (groups of consecutive ranks, all groups at once), timed at payloads from
+    SMALL_MESSAGES up through `sizes_mb`: one call alone after a barrier, and for ASYNC_OPS one call of STREAMED
+    queued back to back. The rounds over every op and payload repeat (`iters` timed after one warm-up), so load
+    drifting on a shared machine moves every figure alike; each figure is its median over rounds, then the slowest
+    rank's (a collective ends when its last member does). Returns {"collective_curves": ..., "collectives": ...}
+    (`Network`'s fields), the second a latency + bandwidth summary of the first: the smallest payload's time, and
+    the least-squares slope of time - latency against moved bytes over `sizes_mb`. Every rank returns the same."""
     import torch
     import torch.distributed as dist
 
@@ -267,38 +335,63 @@ def measure_table(rank: int, world: int, gpus_per_node: int, sizes_mb=(0.25, 1.0
              "all_to_all": comm.all_to_all}
     cuda = device is not None and torch.device(device).type == "cuda"
 
-    def timed(op, grid, p, n) -> float:
-        t = torch.ones(n // p if op == "all_gather" else n, device=device)
-        samples = []
-        for _ in range(iters + 1):  # the first call warms up buffers and connections
-            dist.barrier()
-            start = time.perf_counter()
-            calls[op](t, grid, "x")
-            if cuda:
-                torch.cuda.synchronize()
-            samples.append(time.perf_counter() - start)
-        median = torch.tensor([sorted(samples[1:])[iters // 2]], dtype=torch.float64, device=device)
-        dist.all_reduce(median, op=dist.ReduceOp.MAX)  # a collective ends when its last member does
-        return float(median)
+    def finish():
+        if cuda:
+            torch.cuda.synchronize()
+
+    def timed(op, grid, tensors) -> tuple[float, float]:
+        dist.barrier()
+        start = time.perf_counter()
+        calls[op](tensors[0], grid, "x")
+        finish()
+        alone = time.perf_counter() - start
+        if op not in ASYNC_OPS:
+            return alone, alone
+        dist.barrier()
+        start = time.perf_counter()
+        works = [calls[op](t, grid, "x", async_op=True) for t in tensors]
+        for w in works:
+            (w[1] if isinstance(w, tuple) else w).wait()
+        finish()
+        return alone, (time.perf_counter() - start) / len(tensors)
 
     was, parallel.LEDGER.enabled = parallel.LEDGER.enabled, False  # not a training step
-    out: dict = {}
+    curves: dict = {}
+    summary: dict = {}
     try:
         for p in (d for d in range(2, world + 1) if world % d == 0):
             grid = parallel.Grid(world // p, p, 1, 1, rank=rank)
             grid.build_groups()
             place = "intra" if p <= gpus_per_node else "inter"
+            large = {max(p, int(mb * 2**20) // 4 // p * p) for mb in sizes_mb}  # fp32 values, divisible by p
+            counts = sorted(large | {max(p, b // 4 // p * p) for b in SMALL_MESSAGES})
+            samples = {(op, n): [] for op in OPS for n in counts}
+            for round_ in range(iters + 1):  # the first round warms up buffers and connections
+                for (op, n), kept in samples.items():
+                    tensors = [torch.ones(n // p if op == "all_gather" else n, device=device) for _ in range(STREAMED)]
+                    sample = timed(op, grid, tensors)
+                    if round_:
+                        kept.append(sample)
+            medians = torch.tensor([[statistics.median(s[k] for s in v) for k in (0, 1)] for v in samples.values()],
+                                   dtype=torch.float64, device=device)
+            dist.all_reduce(medians, op=dist.ReduceOp.MAX)
+            for (op, n), (alone, stream) in zip(samples, medians.tolist()):
+                by_size = curves.setdefault(op, {}).setdefault(place, {})
+                curve = by_size.setdefault(str(p), {"bytes": [], "isolated": []})
+                curve["bytes"].append(4 * n)
+                curve["isolated"].append(alone)
+                if op in ASYNC_OPS:
+                    curve.setdefault("streamed", []).append(stream)
             for op in OPS:
-                latency = timed(op, grid, p, p)
-                points = []
-                for mb in sizes_mb:
-                    n = max(p, int(mb * 2**20) // 4 // p * p)  # fp32 values, divisible by the group
-                    points.append((Record(op, "x", p, 4 * n).moved_bytes, timed(op, grid, p, n) - latency))
+                curve = curves[op][place][str(p)]
+                latency = curve["isolated"][0]
+                points = [(Record(op, "x", p, b).moved_bytes, t - latency)
+                          for b, t in zip(curve["bytes"], curve["isolated"]) if b // 4 in large]
                 slope = sum(x * y for x, y in points) / sum(x * x for x, _ in points)
                 if slope <= 0:  # noise swamped the sizes: take the largest message's plain rate
-                    slope = (max(points)[1] + latency) / max(points)[0]
-                out.setdefault(op, {}).setdefault(place, {})[str(p)] = [1 / slope / GB, latency * 1e6]
+                    slope = curve["isolated"][-1] / points[-1][0]
+                summary.setdefault(op, {}).setdefault(place, {})[str(p)] = [1 / slope / GB, latency * 1e6]
             grid.release_groups()
     finally:
         parallel.LEDGER.enabled = was
-    return out
+    return {"collective_curves": curves, "collectives": summary}

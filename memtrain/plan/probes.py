@@ -2,7 +2,7 @@
 
 Ranks that share a CPU's cores (or a node's memory bandwidth) share them in the probes as in training, so every
 rate is one rank's while all run; in a process group each rank returns the mean over ranks of every timing.
-- collectives: `network.measure_table` (latency and bus bandwidth per group size);
+- collectives: `network.measure_collectives` (each op's time per group size and payload, alone and streamed);
 - matmuls: GFLOP/s per shape (`measure_matmuls`);
 - what a step spends besides matmuls (`measure_other`), each rate timed on the torch ops a step runs, at sizes
   like a step's (compute.py's module docstring says what each rate multiplies):
@@ -39,7 +39,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import parallel
 from memtrain.files import write_atomic
 from memtrain.hf import parallelize
-from memtrain.plan.network import ELEMENTWISE, Network, measure_table
+from memtrain.plan.network import ELEMENTWISE, Network, measure_collectives
 from parallel.norm import RMSNorm
 
 MATMUL_DIMS = (8, 32, 128, 512, 2048)
@@ -290,7 +290,7 @@ def measure(out: str, sizes_mb, iters: int) -> None:
                          "(or srun), one process per GPU")
     gpn = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     device = grid.device
-    table_ = measure_table(grid.rank, world, gpn, sizes_mb, iters, device)
+    measured = measure_collectives(grid.rank, world, gpn, sizes_mb, iters, device)
     # bf16 only where it beats fp32, as train.precision="auto" decides (on an AVX2-only CPU it is 15-40x slower:
     # minutes of probing for a precision no run would choose); every rank must agree, the probe all-reduces.
     from memtrain.training.perf import bf16_faster
@@ -302,12 +302,12 @@ def measure(out: str, sizes_mb, iters: int) -> None:
     other = measure_other(precisions, device=device)
     if grid.rank == 0:
         def best(place):
-            rates = [v[0] for v in table_["all_reduce"].get(place, {}).values()]
+            rates = [v[0] for v in measured["collectives"]["all_reduce"].get(place, {}).values()]
             return min(rates) if rates else None
 
         doc = {"name": f"measured-{os.uname().nodename}", "backend": torch.distributed.get_backend(),
                "world_size": world, "gpus_per_node": gpn, "intra_node_gbps": best("intra"),
-               "inter_node_gbps": best("inter"), "message_mb": list(sizes_mb), "collectives": table_,
+               "inter_node_gbps": best("inter"), "message_mb": list(sizes_mb), **measured,
                "matmuls": matmuls, **other, "source": "memtrain plan --measure"}
         write_atomic(out, json.dumps(doc, indent=1) + "\n")
         net = Network(matmuls=matmuls)

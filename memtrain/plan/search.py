@@ -5,7 +5,8 @@ the planner estimates per-rank memory (parameters, gradients, AdamW state, activ
 do not fit the device; then it predicts the time of one optimizer step and ranks grids by it: one rank's compute
 time (compute.py: the FLOPs of its shards at the machine's rate for their shapes, which fall as shards get thin,
 and what a step spends besides matmuls) plus the communication overlap cannot hide, from cost.py's exact records,
-each at the bandwidth of where its group sits (network.py). MFU is the unsharded model's FLOPs over the predicted
+each at the time measured for its op, group size and payload where its group sits, issued alone or queued
+behind others as the engine issues it (network.py). MFU is the unsharded model's FLOPs over the predicted
 step time and the GPUs' peak.
 With `offload` (train.optimizer_offload) the AdamW state leaves the device for the host, the step pays the
 device<->host copies, and `fewest_gpus` says how many GPUs the model needs with and without it.
@@ -141,22 +142,24 @@ def evaluate(shape, grid: Grid, mode: str, cfg: PlanConfig, net: Network, micro:
     kw = dict(precision=cfg.precision, param_bytes=pb)
     records = cost.step_records(shape, grid, mode, cfg.batch, cfg.seq, micro,
                                 checkpointing=cfg.activation_checkpointing, **kw)
+    gradients = cost.gradient_records(shape, grid, mode, pb)
+
+    def seconds(r, streamed: bool) -> float:
+        return net.seconds(r, inside_node(grid, r.axes.split("+"), net.gpus_per_node), streamed)
+
     axes: dict[str, dict] = {}
-    seconds = {}  # one record's time, for the overlap classes below
     for r, n in records.items():
         inside = inside_node(grid, r.axes.split("+"), net.gpus_per_node)
         a = axes.setdefault(r.axes, {"payload": 0, "moved": 0.0, "seconds": 0.0, "inside_node": inside})
-        seconds[r] = net.seconds(r, inside)
         a["payload"] += n * r.nbytes
         a["moved"] += n * r.moved_bytes
-        a["seconds"] += n * seconds[r]
+        a["seconds"] += n * seconds(r, compute.streamed(r, gradients))
     memory = cost.state_bytes(shape, grid, mode, pb, cfg.offload)
     memory["activations"] = cost.activation_bytes(shape, grid, mode, micro * cfg.seq,
                                                   checkpointing=cfg.activation_checkpointing, **kw)
     memory["total"] = sum(memory.values())
     local = cfg.batch // cost.rows_split(grid, mode)
-    gradients = cost.gradient_records(shape, grid, mode, pb)
-    comm = compute.comm_seconds(records, gradients, seconds.__getitem__)
+    comm = compute.comm_seconds(records, gradients, seconds)
     work = compute.step_compute(shape, grid, mode, cfg.batch, cfg.seq, micro, net, cfg.precision,
                                 cfg.activation_checkpointing, cfg.offload)
     host, traffic = 0, 0

@@ -203,9 +203,10 @@ def test_records_by_overlap_class():
     records = cost.step_records(shape, grid, "sharded", B, S)
     grads = cost.gradient_records(shape, grid, "sharded")
     assert {(r.op, r.axes) for r in grads} == {("all_reduce", "data"), ("all_reduce", "z+data")}
-    got = compute.comm_seconds(records, grads, lambda r: 1.0)  # one second per record: counts
+    # One second per blocking record, ten per streamed one (queued async): counts, and which time each class takes.
+    got = compute.comm_seconds(records, grads, lambda r, streamed: 10.0 if streamed else 1.0)
     weights = sum(n for r, n in records.items() if r.axes == "z")
-    assert got["weights"] == weights > 0 and got["grads"] == 2
+    assert got["weights"] == 10 * weights > 0 and got["grads"] == 20
     assert got["blocking"] == sum(records.values()) - weights - 2
     loss_sums = Counter({r: n for r, n in records.items() if r.axes == "z+data" and r.nbytes == 32})
     assert sum(loss_sums.values()) == 1 and not loss_sums & grads  # same op and axes as a gradient bucket

@@ -15,7 +15,8 @@
   forward gathers again under the replayed autocast (the OAG prefetcher must gather each in the dtype taken).
 - Memory: the estimate of parameter + gradient + AdamW bytes per rank within 10% of the tensors the ranks
   hold after the step (it is exact by construction; 10% is the issue's bound).
-- The measured bandwidth table (`plan --measure`) of the same ranks is read back by the planner.
+- The measured collectives (`plan --measure`) of the same ranks: a curve per op and group size at every payload,
+  streamed for the async ops, and a latency + bandwidth summary; the planner reads both back.
 One fork of 8 ranks runs every case.
 """
 
@@ -93,7 +94,7 @@ def _worker(rank, world):
             parallel.LEDGER.reset()
             run_step(plm, grid, opt, "fp32", micro_batch(degrees, mode), plm.config.vocab_size)
             out[case].append(Counter(parallel.LEDGER.records))
-    out["measure"] = network.measure_table(rank, world, 8, sizes_mb=(0.01, 0.04), iters=2)
+    out["measure"] = network.measure_collectives(rank, world, 8, sizes_mb=(0.01, 0.04), iters=2)
     return out
 
 
@@ -197,13 +198,23 @@ def test_z_sharded_weights_finish_in_reverse_registration_order(family, mode):
 
 
 def test_measured_table_is_read_by_the_planner(ranks, tmp_path):
-    table = ranks[0]["measure"]
-    assert set(table) == set(network.OPS)
-    assert all(set(table[op]["intra"]) == {"2", "4", "8"} for op in network.OPS)
-    assert all(gbps > 0 and lat >= 0 for op in table.values() for sizes in op.values() for gbps, lat in sizes.values())
+    measured = ranks[0]["measure"]
+    assert all(r["measure"] == measured for r in ranks)  # every rank returns the slowest rank's figures
+    curves, table = measured["collective_curves"], measured["collectives"]
+    assert set(curves) == set(table) == set(network.OPS)
+    payloads = (*network.SMALL_MESSAGES, int(0.01 * 2**20), int(0.04 * 2**20))  # and --sizes-mb 0.01,0.04
+    for op in network.OPS:
+        assert set(curves[op]["intra"]) == set(table[op]["intra"]) == {"2", "4", "8"}
+        for p, curve in curves[op]["intra"].items():
+            fp32_values = sorted({b // 4 // int(p) * int(p) for b in payloads})  # divisible by the group
+            assert curve["bytes"] == [4 * n for n in fp32_values], (op, p)
+            assert ("streamed" in curve) == (op in network.ASYNC_OPS), (op, p)
+            assert all(t > 0 for series in ("isolated", "streamed") for t in curve.get(series, [])), (op, p)
+            gbps, lat = table[op]["intra"][p]
+            assert gbps > 0 and lat == pytest.approx(curve["isolated"][0] * 1e6)
     path = tmp_path / "bw.json"
-    path.write_text(json.dumps({"gpus_per_node": 8, "collectives": table}))
+    path.write_text(json.dumps({"gpus_per_node": 8, **measured}))
     net = network.load_network(bandwidth=str(path))
-    gbps, lat = table["all_reduce"]["intra"]["4"]
-    want = lat * 1e-6 + 1.5e6 / (gbps * 1e9)
-    assert net.seconds(Record("all_reduce", "x", 4, 10**6), True) == pytest.approx(want)
+    curve = curves["all_reduce"]["intra"]["4"]
+    record = Record("all_reduce", "x", 4, curve["bytes"][2])
+    assert net.seconds(record, True) == curve["isolated"][2] and net.seconds(record, True, True) == curve["streamed"][2]

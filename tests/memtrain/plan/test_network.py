@@ -3,6 +3,9 @@
 - A table written before these rates were measured still loads, and counts no non-matmul time; a table with them
   round-trips through JSON; a damaged entry is one error naming it.
 - Attention's rate per score interpolates in log head size and holds the edges.
+- A collective's measured curve: piecewise linear between payloads, the smallest's time below them, the last
+  segment's rate above them (the whole range's where noise made it fall); the streamed series for a queued call;
+  the latency + bandwidth entry where an op has no curve; a damaged curve is one error naming it.
 - The probes, on one process at small sizes: every rate finite and positive, in a table `--bandwidth` reads.
 """
 
@@ -13,6 +16,7 @@ import pytest
 
 from memtrain.plan import compute, cost, network, probes, search
 from parallel import Grid
+from parallel.comm import Record
 
 OTHER = {"op_overhead_s": 5e-6, "elementwise": {"norm": 2e-9, "loss": 3e-9}, "optimizer": [4e-9, 2e-5],
          "attention": {"fp32": {"head_dims": [8, 32], "seconds": [[1e-9, 2e-9], [4e-9, 8e-9]]}}}
@@ -64,6 +68,39 @@ def test_attention_rate_interpolates_in_log_head_size():
     assert net.attention_seconds(4, "fp32") == pytest.approx((1e-9, 2e-9))  # edges held
     assert net.attention_seconds(128, "fp32") == pytest.approx((4e-9, 8e-9))
     assert net.attention_seconds(16, "bf16") is None
+
+
+CURVE = {"bytes": [64, 4096, 65536], "isolated": [2e-3, 3e-3, 5e-3], "streamed": [1e-3, 1.5e-3, 4e-3]}
+
+
+def test_a_collective_curve_interpolates_and_extends_at_the_last_segments_rate(tmp_path):
+    net = _load(tmp_path, {"collective_curves": {"all_reduce": {"intra": {"4": CURVE}}},
+                           "collectives": {"all_gather": {"intra": {"4": [1.0, 100.0]}}}})
+
+    def seconds(nbytes, streamed=False, op="all_reduce", p=4):
+        return net.seconds(Record(op, "x", p, nbytes), True, streamed)
+
+    assert seconds(8) == seconds(64) == pytest.approx(2e-3)
+    assert seconds(2080) == pytest.approx(2.5e-3)  # halfway between 64 and 4096 bytes
+    assert seconds(4096, streamed=True) == pytest.approx(1.5e-3)
+    rate = 2e-3 / (65536 - 4096)  # the last segment's
+    assert seconds(65536 + 10**6) == pytest.approx(5e-3 + 10**6 * rate)
+    assert seconds(4096, p=8) == seconds(4096, p=3) == pytest.approx(3e-3)  # the nearest measured group size
+    # An op without a curve: latency + ring-moved bytes / bandwidth (all_gather moves (p - 1) / p of its payload).
+    assert seconds(4 * 10**6, op="all_gather") == pytest.approx(1e-4 + 3e6 / 1e9)
+    falling = dict(CURVE, isolated=[2e-3, 6e-3, 5e-3])
+    net = network.Network(collective_curves={"all_reduce": {"intra": {"4": falling}}})
+    assert net.seconds(Record("all_reduce", "x", 4, 65536 + 10**6), True) == pytest.approx(
+        5e-3 + 10**6 * 3e-3 / (65536 - 64))
+
+
+@pytest.mark.parametrize("curve", [
+    dict(CURVE, bytes=[64]), dict(CURVE, bytes=[4096, 64, 65536]), dict(CURVE, isolated=[1e-3, 0.0, 1e-3]),
+    dict(CURVE, streamed=[1e-3]), {"bytes": [64, 128], "streamed": [1e-3, 2e-3]}, dict(CURVE, slow=[1.0] * 3),
+])
+def test_a_damaged_collective_curve_is_one_error_naming_it(tmp_path, curve):
+    with pytest.raises(ValueError, match="bandwidth table .*: collective_curves.all_reduce.intra entry '4'"):
+        _load(tmp_path, {"collective_curves": {"all_reduce": {"intra": {"4": curve}}}})
 
 
 def test_probed_rates_are_positive_and_load(monkeypatch, tmp_path):
