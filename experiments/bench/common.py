@@ -143,18 +143,14 @@ def global_sum(value: float) -> float:
     return float(t)
 
 
-def timed_rounds(steps: dict[str, Callable[[], object]], warmup: int, rounds: int,
-                 before_round: Callable[[], object] | None = None) -> tuple[dict, dict]:
+def timed_rounds(steps: dict[str, Callable[[], object]], warmup: int, rounds: int) -> tuple[dict, dict]:
     """Run every step once per round, `warmup` untimed rounds then `rounds` timed ones, the order rotated each
     round so that no variant always runs after the same one (caches, the allocator, a neighbour's load). Each
-    step starts after a barrier and lasts as long as its slowest rank; `before_round` (untimed) runs first in
-    every round. Returns ({name: slowest-rank seconds per timed round}, {name: this rank's return values of the
-    timed steps})."""
+    step starts after a barrier and lasts as long as its slowest rank. Returns ({name: slowest-rank seconds per
+    timed round}, {name: this rank's return values of the timed steps})."""
     names = list(steps)
     times, results = {n: [] for n in names}, {n: [] for n in names}
     for r in range(warmup + rounds):
-        if before_round is not None:
-            before_round()
         k = r % len(names)
         for n in names[k:] + names[:k]:
             dist.barrier()

@@ -1,33 +1,35 @@
 """Planner vs measurement: does `memtrain plan` predict the step time of every 8-rank grid on this machine?
 
-On `--world` forked gloo ranks (file:// rendezvous, one torch thread each):
-1. measure this machine as `memtrain plan --measure` does, on every rank at once: each collective's time per group
-   size and payload, alone and queued (`measure_collectives`; payloads up to 4 MiB), the fp32 matmul rate per
-   shape (`measure_matmuls`) and the rates of what a step spends besides matmuls (`measure_other`: per kernel,
-   per element of each elementwise kind, AdamW's, attention's per score; memtrain/plan/probes.py); ranks sharing
-   the cores share them in the probes as in the steps, so the rates are one rank's share;
-2. time one training step of `--model` on every grid of that many ranks, in sharded and easy mode: the
-   trainer's step (forward + backward per micro-batch, sync_gradients, clip_grad_norm_, AdamW). Grids run
-   interleaved, one step each per round in a rotated order, each step after a barrier and timed as the slowest
-   rank, so load drifting on a shared machine hits every grid alike; the median over rounds is kept. Step 1
-   runs again before every round, and each figure of its tables is the median over rounds too: the probes see the
-   load the steps see;
-3. predict every grid's step time from those tables (`search.evaluate`: compute, matmuls and the non-matmul term,
-   + the communication overlap cannot hide) and print both, with the non-matmul seconds, then per mode and over
-   all: the Spearman and Kendall (tau-b) rank correlations of predicted and measured step times, the top-3 recall
-   (of the 3 fastest measured grids, how many are among the 3 fastest predicted) and the median ratio error
-   |predicted / measured - 1| (and, for reference, the Spearman of the communication time alone, what the planner
-   ranked by before it modelled compute). The issue's targets: Spearman >= 0.9 in each mode, median ratio error
-   <= 0.15.
+For every grid of `--world` ranks, in gloo ranks forked for that grid alone (file:// rendezvous, one torch
+thread each), so that only the grid's own process groups exist, as in a run. Every idle gloo group keeps a thread
+that wakes about 100 times a second: with all 20 grids' groups alive in one set of ranks (49 such threads per
+rank), a data-parallel step of ladder-1m took 255-273 ms instead of 196-200 ms on the machine below.
+1. time one training step of `--model` in sharded and easy mode: the trainer's step (forward + backward per
+   micro-batch, the gradient sync, clip_grad_norm_, AdamW). The modes alternate, `--warmup` untimed steps then
+   `--rounds` timed ones, each after a barrier and timed as the slowest rank; the median is kept;
+2. then, in the same ranks, measure this machine as `memtrain plan --measure` does, on every rank at once: each
+   collective's time per group size and payload, alone and queued (`measure_collectives`; payloads up to 4 MiB),
+   the fp32 matmul rate per shape (`measure_matmuls`) and the rates of what a step spends besides matmuls
+   (`measure_other`: per kernel, per element of each elementwise kind, AdamW's, attention's per score;
+   memtrain/plan/probes.py); ranks sharing the cores share them in the probes as in the steps, so the rates are
+   one rank's share;
+3. predict every grid's step time from the median of the grids' probe tables, entry by entry (one probe's
+   figures move by tens of percent between runs here) with `search.evaluate` (compute: matmuls and the
+   non-matmul term, + the communication overlap cannot hide), and print both, with the non-matmul seconds, then
+   per mode and over all: the Spearman and Kendall (tau-b) rank correlations of predicted and measured step
+   times, the top-3 recall (of the 3 fastest measured grids, how many are among the 3 fastest predicted) and the
+   median ratio error |predicted / measured - 1| (and, for reference, the Spearman of the communication time
+   alone, what the planner ranked by before it modelled compute). The issue's targets: Spearman >= 0.9 in each
+   mode, median ratio error <= 0.15.
 
     python -m experiments.bench.planner [--model ladder-1m] [--batch 16] [--seq 64] [--rounds 5] [--json out.json]
 
-Nothing is fitted: the prediction uses only the tables measured in step 1. What it leaves out shows as the ratio
-error, on 8 ranks sharing 2 cores mostly an under-prediction: a blocking collective costs more in a step than in
-the probe, where its members wait at a barrier and nothing else runs (a few ms more per call, growing with the
-group); what the data-parallel step spends beyond the probed rates (about 0.1 s at (8, 1, 1, 1)); and the overlap
-credited to async collectives (gloo's threads need the cores the compute uses). The load of other processes on a
-shared machine moves every figure: they are a check of the model, not a test.
+Nothing is fitted: the prediction uses only the probes of step 2. What it leaves out shows as the ratio error. On
+8 ranks sharing 2 cores: a collective over all 8 ranks costs more in a step than in the probe, where its members
+wait at a barrier and nothing else runs; easy mode's re-layouts over 2 or 4 ranks, issued back to back, cost
+less than the same calls one at a time; the data-parallel step spends more than its probed rates, and the
+overlap credited to async collectives is not all there (gloo's threads need the cores the compute uses). The
+load of other processes on a shared machine moves every figure: they are a check of the model, not a test.
 """
 
 from __future__ import annotations
@@ -59,8 +61,8 @@ def grids(world: int) -> list[tuple[int, int, int, int]]:
 
 
 def probes(rank: int, world: int) -> dict:
-    """One measurement of this machine, as `memtrain plan --measure` takes it (shorter matmul loops: it runs every
-    round)."""
+    """One measurement of this machine, as `memtrain plan --measure` takes it (shorter loops: it runs once per
+    grid)."""
     return {**measure_collectives(rank, world, world, sizes_mb=(0.25, 1.0, 4.0), iters=3),
             "matmuls": measure_matmuls(("fp32",), min_seconds=0.01), **measure_other(("fp32",))}
 
@@ -75,23 +77,22 @@ def median_table(tables: list):
     return first if all(t == first for t in tables) else statistics.median(tables)
 
 
-def worker(rank: int, world: int, args) -> dict:
+def worker(rank: int, world: int, degrees: tuple[int, int, int, int], args) -> dict:
+    """One grid, in ranks of its own: its steps in both modes, then the probes."""
+    grid = parallel.Grid(*degrees, rank=rank)
+    grid.build_groups()
     runs = {}
-    for degrees in grids(world):
-        grid = parallel.Grid(*degrees, rank=rank)
-        grid.build_groups()
-        for mode in MODES:
-            plm = parallelize(build_model(args.model, device="meta"), grid, mode, seed=0, device="cpu")
-            runs[(degrees, mode)] = (plm, grid, build_optimizer(plm, RunConfig()))
+    for mode in MODES:
+        plm = parallelize(build_model(args.model, device="meta"), grid, mode, seed=0, device="cpu")
+        runs[mode] = (plm, build_optimizer(plm, RunConfig()))
     g = torch.Generator().manual_seed(0)
-    vocab = next(iter(runs.values()))[0].config.vocab_size
+    vocab = runs[MODES[0]][0].config.vocab_size
     ids = torch.randint(0, vocab, (args.batch, args.seq), generator=g)
     labels = torch.randint(0, vocab, (args.batch, args.seq), generator=g)
-    measured = []
-    times, _ = timed_rounds({key: partial(train_step, plm, grid, opt, ids, labels, labels != -100, args.batch,
-                                          overlap=True) for key, (plm, grid, opt) in runs.items()},
-                            args.warmup, args.rounds, before_round=lambda: measured.append(probes(rank, world)))
-    return {"network": median_table(measured), "times": {k: statistics.median(v) for k, v in times.items()}}
+    times, _ = timed_rounds({mode: partial(train_step, plm, grid, opt, ids, labels, labels != -100, args.batch,
+                                           overlap=True) for mode, (plm, opt) in runs.items()},
+                            args.warmup, args.rounds)
+    return {"network": probes(rank, world), "times": {k: statistics.median(v) for k, v in times.items()}}
 
 
 def main(argv=None) -> dict:
@@ -107,24 +108,30 @@ def main(argv=None) -> dict:
     args = ap.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     t0 = time.perf_counter()
-    res = run_ranks(args.world, worker, args, timeout=args.timeout, pg_timeout=300)[0]
-    net = Network(name="measured", gpus_per_node=args.world, gpu_memory_gb=1e6, source="experiments/bench/planner.py",
-                  **res["network"])
     shape = cost.shape_of(build_model(args.model, device="meta").config)
     cfg = search.PlanConfig(args.model, args.world, args.batch, args.seq, precision="fp32")
+    times, tables = {}, {}
+    for degrees in grids(args.world):
+        res = run_ranks(args.world, worker, degrees, args, timeout=args.timeout, pg_timeout=300)[0]
+        times[degrees], tables[degrees] = res["times"], res["network"]
+    typical = median_table(list(tables.values()))
+    net = Network(name="measured", gpus_per_node=args.world, gpu_memory_gb=1e6,
+                  source="experiments/bench/planner.py", **typical)
     peak = net.peak_flops("fp32")
     rows = []
-    for (degrees, mode), measured in res["times"].items():
+    for degrees, by_mode in times.items():
         grid = parallel.Grid(*degrees)
-        p = search.evaluate(shape, grid, mode, cfg, net, args.batch // cost.rows_split(grid, mode))
-        rows.append({"grid": degrees, "mode": mode, "measured_s": measured, "predicted_s": p.step_seconds,
-                     "compute_s": p.compute_seconds, "other_s": p.other_seconds, "comm_s": p.comm_seconds,
-                     "ratio": p.step_seconds / measured,
-                     "predicted_mfu": p.mfu, "measured_mfu": p.mfu * p.step_seconds / measured,
-                     "moved_mb": p.moved_bytes / 2**20})
-    print(f"{args.model}, batch {args.batch} x {args.seq}, {args.world} gloo ranks; median of {args.rounds} rounds; "
-          f"best matmul {peak / 1e9:.3g} GFLOP/s per rank (all ranks at once); {machine()}")
-    other = {k: v for k, v in res["network"].items() if k not in ("collectives", "collective_curves", "matmuls")}
+        for mode, measured in by_mode.items():
+            p = search.evaluate(shape, grid, mode, cfg, net, args.batch // cost.rows_split(grid, mode))
+            rows.append({"grid": degrees, "mode": mode, "measured_s": measured, "predicted_s": p.step_seconds,
+                         "compute_s": p.compute_seconds, "other_s": p.other_seconds, "comm_s": p.comm_seconds,
+                         "ratio": p.step_seconds / measured,
+                         "predicted_mfu": p.mfu, "measured_mfu": p.mfu * p.step_seconds / measured,
+                         "moved_mb": p.moved_bytes / 2**20})
+    print(f"{args.model}, batch {args.batch} x {args.seq}, {args.world} gloo ranks; median of {args.rounds} steps; "
+          f"best matmul {peak / 1e9:.3g} GFLOP/s per rank (all ranks at once); "
+          f"{machine()}")
+    other = {k: v for k, v in typical.items() if k not in ("collectives", "collective_curves", "matmuls")}
     print(f"per kernel {other['op_overhead_s'] * 1e6:.3g} us; per element (ns) " + ", ".join(
         f"{k} {v * 1e9:.3g}" for k, v in other["elementwise"].items()) + f"; AdamW {other['optimizer'][0] * 1e9:.3g} "
         f"ns per parameter, {other['optimizer'][1] * 1e6:.3g} us per tensor")
@@ -134,8 +141,7 @@ def main(argv=None) -> dict:
                   f"{r['compute_s']:.4f}", f"{r['other_s']:.4f}", f"{r['comm_s']:.4f}",
                   f"{100 * r['measured_mfu']:.2f}%", f"{100 * r['predicted_mfu']:.2f}%", f"{r['moved_mb']:.2f}")
                  for r in sorted(rows, key=lambda r: r["measured_s"])]))
-    out = {"rows": rows, "table": res["network"]["collectives"], "curves": net.collective_curves,
-           "matmuls": net.matmuls, "other": other, "spearman": {},
+    out = {"rows": rows, "table": typical, "probes": {str(d): t for d, t in tables.items()}, "spearman": {},
            "spearman_comm_only": {}, "median_ratio_error": {}, "kendall": {}, "top3_recall": {}}
     for name, subset in [(m, [r for r in rows if r["mode"] == m]) for m in MODES] + [("all", rows)]:
         measured, predicted = [r["measured_s"] for r in subset], [r["predicted_s"] for r in subset]
