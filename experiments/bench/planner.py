@@ -129,8 +129,7 @@ def main(argv=None) -> dict:
                          "predicted_mfu": p.mfu, "measured_mfu": p.mfu * p.step_seconds / measured,
                          "moved_mb": p.moved_bytes / 2**20})
     print(f"{args.model}, batch {args.batch} x {args.seq}, {args.world} gloo ranks; median of {args.rounds} steps; "
-          f"best matmul {peak / 1e9:.3g} GFLOP/s per rank (all ranks at once); "
-          f"{machine()}")
+          f"best matmul {peak / 1e9:.3g} GFLOP/s per rank (all ranks at once); {machine()}")
     other = {k: v for k, v in typical.items() if k not in ("collectives", "collective_curves", "matmuls")}
     print(f"per kernel {other['op_overhead_s'] * 1e6:.3g} us; per element (ns) " + ", ".join(
         f"{k} {v * 1e9:.3g}" for k, v in other["elementwise"].items()) + f"; AdamW {other['optimizer'][0] * 1e9:.3g} "
