@@ -1,9 +1,13 @@
 """Planner vs measurement: does `memtrain plan` predict the step time of every 8-rank grid on this machine?
 
 For every grid of `--world` ranks, in gloo ranks forked for that grid alone (file:// rendezvous, one torch
-thread each), so that only the grid's own process groups exist, as in a run. Every idle gloo group keeps a thread
-that wakes about 100 times a second: with all 20 grids' groups alive in one set of ranks (49 such threads per
-rank), a data-parallel step of ladder-1m took 255-273 ms instead of 196-200 ms on the machine below.
+thread each), so that only the grid's own process groups and the collective probe's exist, as in a run of
+`memtrain plan --measure` then training. Both matter on a CPU: every idle gloo group keeps a thread that wakes
+about 100 times a second. With all 20 grids' groups alive in one set of ranks (49 such threads per rank), a
+data-parallel step of ladder-1m took 255-273 ms instead of 196-200 ms on the machine below; and with no other group
+alive, an all-reduce of 4 KiB over all 8 ranks took 20-28 ms, against 5-9 ms beside two idle groups (those threads
+keep the ranks waking fast). So each grid's ranks build the probe's groups (network.probe_grids) before their
+own, and the steps and the probes run beside the same groups.
 1. time one training step of `--model` in sharded and easy mode: the trainer's step (forward + backward per
    micro-batch, the gradient sync, clip_grad_norm_, AdamW). The modes alternate, `--warmup` untimed steps then
    `--rounds` timed ones, each after a barrier and timed as the slowest rank; the median is kept;
@@ -25,11 +29,11 @@ rank), a data-parallel step of ladder-1m took 255-273 ms instead of 196-200 ms o
     python -m experiments.bench.planner [--model ladder-1m] [--batch 16] [--seq 64] [--rounds 5] [--json out.json]
 
 Nothing is fitted: the prediction uses only the probes of step 2. What it leaves out shows as the ratio error. On
-8 ranks sharing 2 cores: a collective over all 8 ranks costs more in a step than in the probe, where its members
-wait at a barrier and nothing else runs; easy mode's re-layouts over 2 or 4 ranks, issued back to back, cost
-less than the same calls one at a time; the data-parallel step spends more than its probed rates, and the
-overlap credited to async collectives is not all there (gloo's threads need the cores the compute uses). The
-load of other processes on a shared machine moves every figure: they are a check of the model, not a test.
+8 ranks sharing 2 cores: easy mode's re-layouts over 2 or 4 ranks cost less in a step than one call alone in the
+probe (0.6-0.85x; a probe of calls back to back brings easy mode's error to 0.14 but sharded mode's, whose
+all-reduces follow matmuls, to 0.21); the data-parallel step spends more than its probed rates, and the overlap
+credited to async collectives is not all there (gloo's threads need the cores the compute uses). The load of
+other processes on a shared machine moves every figure: they are a check of the model, not a test.
 """
 
 from __future__ import annotations
@@ -48,7 +52,7 @@ from memtrain.config import RunConfig
 from memtrain.hf import parallelize
 from memtrain.models import build_model
 from memtrain.plan import cost, search
-from memtrain.plan.network import Network, measure_collectives
+from memtrain.plan.network import Network, measure_collectives, probe_grids
 from memtrain.plan.probes import measure_matmuls, measure_other
 from memtrain.training import build_optimizer, train_step
 from parallel.forked import run_ranks
@@ -60,10 +64,10 @@ def grids(world: int) -> list[tuple[int, int, int, int]]:
     return sorted(search.factorizations(world))
 
 
-def probes(rank: int, world: int) -> dict:
+def probes(rank: int, world: int, grids: dict) -> dict:
     """One measurement of this machine, as `memtrain plan --measure` takes it (shorter loops: it runs once per
-    grid)."""
-    return {**measure_collectives(rank, world, world, sizes_mb=(0.25, 1.0, 4.0), iters=3),
+    grid), the collectives on `grids` (network.probe_grids)."""
+    return {**measure_collectives(rank, world, world, sizes_mb=(0.25, 1.0, 4.0), iters=3, grids=grids),
             "matmuls": measure_matmuls(("fp32",), min_seconds=0.01), **measure_other(("fp32",))}
 
 
@@ -78,7 +82,9 @@ def median_table(tables: list):
 
 
 def worker(rank: int, world: int, degrees: tuple[int, int, int, int], args) -> dict:
-    """One grid, in ranks of its own: its steps in both modes, then the probes."""
+    """One grid, in ranks of its own: its steps in both modes, then the probes, with the probe's process groups
+    built first so that the steps and the probes run beside the same groups (the module docstring says why)."""
+    grids = probe_grids(rank, world)
     grid = parallel.Grid(*degrees, rank=rank)
     grid.build_groups()
     runs = {}
@@ -92,7 +98,7 @@ def worker(rank: int, world: int, degrees: tuple[int, int, int, int], args) -> d
     times, _ = timed_rounds({mode: partial(train_step, plm, grid, opt, ids, labels, labels != -100, args.batch,
                                            overlap=True) for mode, (plm, opt) in runs.items()},
                             args.warmup, args.rounds)
-    return {"network": probes(rank, world), "times": {k: statistics.median(v) for k, v in times.items()}}
+    return {"network": probes(rank, world, grids), "times": {k: statistics.median(v) for k, v in times.items()}}
 
 
 def main(argv=None) -> dict:

@@ -316,15 +316,25 @@ def inside_node(grid: Grid, axes, gpus_per_node: int) -> bool:
 # Measuring this machine's collectives (inside an initialized process group; the other probes: probes.py).
 
 
+def probe_grids(rank: int, world: int) -> dict:
+    """The grids the collective probe times a group size p on: Grid(world / p, p, 1, 1), groups of p consecutive
+    ranks, every divisor p > 1 of the world, their process groups built (every rank calls it, in the same order)."""
+    grids = {p: Grid(world // p, p, 1, 1, rank=rank) for p in range(2, world + 1) if world % p == 0}
+    for grid in grids.values():
+        grid.build_groups()
+    return grids
+
+
 def measure_collectives(rank: int, world: int, gpus_per_node: int, sizes_mb=(0.25, 1.0, 4.0), iters: int = 5,
-                        device=None) -> dict:
+                        device=None, grids: dict | None = None) -> dict:
     """Every collective per group size (groups of consecutive ranks, all groups at once), timed at payloads from
     SMALL_MESSAGES up through `sizes_mb`: one call alone after a barrier, and for ASYNC_OPS one call of STREAMED
     queued back to back. The rounds over every op and payload repeat (`iters` timed after one warm-up), so load
     drifting on a shared machine moves every figure alike; each figure is its median over rounds, then the slowest
     rank's (a collective ends when its last member does). Returns {"collective_curves": ..., "collectives": ...}
     (`Network`'s fields), the second a latency + bandwidth summary of the first: the smallest payload's time, and
-    the least-squares slope of time - latency against moved bytes over `sizes_mb`. Every rank returns the same."""
+    the least-squares slope of time - latency against moved bytes over `sizes_mb`. Every rank returns the same.
+    `grids`: probe_grids built earlier, to time on groups that already existed while something else was timed."""
     import torch
     import torch.distributed as dist
 
@@ -359,9 +369,7 @@ def measure_collectives(rank: int, world: int, gpus_per_node: int, sizes_mb=(0.2
     curves: dict = {}
     summary: dict = {}
     try:
-        for p in (d for d in range(2, world + 1) if world % d == 0):
-            grid = parallel.Grid(world // p, p, 1, 1, rank=rank)
-            grid.build_groups()
+        for p, grid in (grids or probe_grids(rank, world)).items():
             place = "intra" if p <= gpus_per_node else "inter"
             large = {max(p, int(mb * 2**20) // 4 // p * p) for mb in sizes_mb}  # fp32 values, divisible by p
             counts = sorted(large | {max(p, b // 4 // p * p) for b in SMALL_MESSAGES})
@@ -391,7 +399,6 @@ def measure_collectives(rank: int, world: int, gpus_per_node: int, sizes_mb=(0.2
                 if slope <= 0:  # noise swamped the sizes: take the largest message's plain rate
                     slope = curve["isolated"][-1] / points[-1][0]
                 summary.setdefault(op, {}).setdefault(place, {})[str(p)] = [1 / slope / GB, latency * 1e6]
-            grid.release_groups()
     finally:
         parallel.LEDGER.enabled = was
     return {"collective_curves": curves, "collectives": summary}

@@ -94,7 +94,10 @@ def _worker(rank, world):
             parallel.LEDGER.reset()
             run_step(plm, grid, opt, "fp32", micro_batch(degrees, mode), plm.config.vocab_size)
             out[case].append(Counter(parallel.LEDGER.records))
-    out["measure"] = network.measure_collectives(rank, world, 8, sizes_mb=(0.01, 0.04), iters=2)
+    probe_grids = network.probe_grids(rank, world)
+    assert {p: (g.data, g.x, g.y, g.z) for p, g in probe_grids.items()} == {
+        2: (4, 2, 1, 1), 4: (2, 4, 1, 1), 8: (1, 8, 1, 1)}
+    out["measure"] = network.measure_collectives(rank, world, 8, sizes_mb=(0.01, 0.04), iters=2, grids=probe_grids)
     return out
 
 
