@@ -9,6 +9,7 @@ Groups of one member cost nothing and are not recorded.
 
 from __future__ import annotations
 
+import time
 import warnings
 from collections import defaultdict
 from collections.abc import Mapping
@@ -44,13 +45,28 @@ class Ledger:
     def __init__(self):
         self.records: list[Record] = []
         self.enabled = True
+        self.timed = False
+        self.blocked: list[float | None] = []
+        """With `timed` on, one entry per record: the host seconds its call took when blocking (on gloo the whole
+        collective, its members' waiting for one another included; on NCCL only its launch), None when async (its
+        cost is in a wait elsewhere)."""
 
     def add(self, op: str, grid: Grid, axes, nbytes: int) -> None:
         if self.enabled:
             self.records.append(Record(op, grid.label(axes), grid.size(axes), int(nbytes)))
 
+    def call(self, fn, *args, async_op: bool = False, **kwargs):
+        """Issue the collective just recorded; with `timed` on, note how long the call held this process."""
+        if not (self.timed and self.enabled):
+            return fn(*args, async_op=async_op, **kwargs)
+        start = time.perf_counter()
+        work = fn(*args, async_op=async_op, **kwargs)
+        self.blocked.append(None if async_op else time.perf_counter() - start)
+        return work
+
     def reset(self) -> None:
         self.records.clear()
+        self.blocked.clear()
 
     def totals(self) -> dict[tuple[str, str], int]:
         """Payload bytes per (operation, axes)."""
@@ -88,7 +104,7 @@ def all_reduce(t: torch.Tensor, grid: Grid, axes, async_op: bool = False, op=dis
     if group is None:
         return _Done() if async_op else None
     LEDGER.add("all_reduce", grid, axes, t.numel() * t.element_size())
-    work = dist.all_reduce(t, op=op, group=group, async_op=async_op)
+    work = LEDGER.call(dist.all_reduce, t, op=op, group=group, async_op=async_op)
     return work if async_op else None
 
 
@@ -102,7 +118,7 @@ def all_gather(t: torch.Tensor, grid: Grid, axes, async_op: bool = False):
     LEDGER.add("all_gather", grid, axes, out.numel() * out.element_size())
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
-        work = _all_gather(out, t.contiguous(), group=group, async_op=async_op)
+        work = LEDGER.call(_all_gather, out, t.contiguous(), group=group, async_op=async_op)
     return (out, work) if async_op else out
 
 
@@ -118,7 +134,7 @@ def reduce_scatter(t: torch.Tensor, grid: Grid, axes, async_op: bool = False):
     LEDGER.add("reduce_scatter", grid, axes, t.numel() * t.element_size())
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
-        work = _reduce_scatter(out, t.contiguous(), group=group, async_op=async_op)
+        work = LEDGER.call(_reduce_scatter, out, t.contiguous(), group=group, async_op=async_op)
     return (out, work) if async_op else out
 
 
@@ -129,7 +145,7 @@ def all_to_all(t: torch.Tensor, grid: Grid, axes) -> torch.Tensor:
         return t
     out = torch.empty_like(t)
     LEDGER.add("all_to_all", grid, axes, t.numel() * t.element_size())
-    dist.all_to_all_single(out, t.contiguous(), group=group)
+    LEDGER.call(dist.all_to_all_single, out, t.contiguous(), group=group)
     return out
 
 
@@ -139,5 +155,5 @@ def broadcast(t: torch.Tensor, grid: Grid, axes, src_index: int = 0) -> torch.Te
     if group is None:
         return t
     LEDGER.add("broadcast", grid, axes, t.numel() * t.element_size())
-    dist.broadcast(t, group_src=src_index, group=group)
+    LEDGER.call(dist.broadcast, t, group_src=src_index, group=group)
     return t

@@ -24,7 +24,10 @@ own, and the steps and the probes run beside the same groups.
    times, the top-3 recall (of the 3 fastest measured grids, how many are among the 3 fastest predicted) and the
    median ratio error |predicted / measured - 1| (and, for reference, the Spearman of the communication time
    alone, what the planner ranked by before it modelled compute). The issue's targets: Spearman >= 0.9 in each
-   mode, median ratio error <= 0.15.
+   mode, median ratio error <= 0.15;
+4. to show where the communication model misses: one more step per mode with the ledger timing every blocking
+   collective (parallel.comm.Ledger.timed), and per mode, op and group size over all grids, the seconds a call
+   took in the step against the probed seconds the prediction charged it.
 
     python -m experiments.bench.planner [--model ladder-1m] [--batch 16] [--seq 64] [--rounds 5] [--json out.json]
 
@@ -42,9 +45,11 @@ import argparse
 import os
 import statistics
 import time
+from collections import defaultdict
 from functools import partial
 
 import torch
+import torch.distributed as dist
 
 import parallel
 from experiments.bench.common import kendall_tau, machine, spearman, table, timed_rounds, top_k_recall, write_json
@@ -52,9 +57,10 @@ from memtrain.config import RunConfig
 from memtrain.hf import parallelize
 from memtrain.models import build_model
 from memtrain.plan import cost, search
-from memtrain.plan.network import Network, measure_collectives, probe_grids
+from memtrain.plan.network import Network, inside_node, measure_collectives, probe_grids
 from memtrain.plan.probes import measure_matmuls, measure_other
 from memtrain.training import build_optimizer, train_step
+from parallel.comm import Record
 from parallel.forked import run_ranks
 
 MODES = ("sharded", "easy")
@@ -95,10 +101,42 @@ def worker(rank: int, world: int, degrees: tuple[int, int, int, int], args) -> d
     vocab = runs[MODES[0]][0].config.vocab_size
     ids = torch.randint(0, vocab, (args.batch, args.seq), generator=g)
     labels = torch.randint(0, vocab, (args.batch, args.seq), generator=g)
-    times, _ = timed_rounds({mode: partial(train_step, plm, grid, opt, ids, labels, labels != -100, args.batch,
-                                           overlap=True) for mode, (plm, opt) in runs.items()},
-                            args.warmup, args.rounds)
-    return {"network": probes(rank, world, grids), "times": {k: statistics.median(v) for k, v in times.items()}}
+    steps = {mode: partial(train_step, plm, grid, opt, ids, labels, labels != -100, args.batch, overlap=True)
+             for mode, (plm, opt) in runs.items()}
+    times, _ = timed_rounds(steps, args.warmup, args.rounds)
+    return {"times": {k: statistics.median(v) for k, v in times.items()},
+            "blocking": {mode: blocking_calls(step) for mode, step in steps.items()},
+            "network": probes(rank, world, grids)}
+
+
+def blocking_calls(step) -> list[tuple[Record, float]]:
+    """One more step, with the ledger timing its calls: each blocking collective's record and seconds."""
+    dist.barrier()
+    parallel.LEDGER.reset()
+    parallel.LEDGER.timed = True
+    try:
+        step()
+    finally:
+        parallel.LEDGER.timed = False
+    return [(r, s) for r, s in zip(parallel.LEDGER.records, parallel.LEDGER.blocked) if s is not None]
+
+
+def in_step_table(blocking: dict, net: Network) -> list[dict]:
+    """Per mode, op and group size, over every grid: the blocking calls of one step, and their mean seconds per
+    call in the step (each rank's own, averaged over ranks: its wait for the slowest member included) and as
+    probed (what the prediction charges them)."""
+    acc: dict = defaultdict(lambda: {"calls": 0, "in_step_s": 0.0, "probed_s": 0.0})
+    for degrees, per_rank in blocking.items():
+        grid = parallel.Grid(*degrees)
+        for mode in MODES:
+            for r, _ in per_rank[0][mode]:  # every rank of a grid issues the same records
+                entry = acc[(mode, r.op, r.group_size)]
+                entry["calls"] += 1
+                entry["probed_s"] += net.seconds(r, inside_node(grid, r.axes.split("+"), net.gpus_per_node))
+            for calls in per_rank:
+                for r, seconds in calls[mode]:
+                    acc[(mode, r.op, r.group_size)]["in_step_s"] += seconds / len(per_rank)
+    return [{"mode": mode, "op": op, "group_size": p, **entry} for (mode, op, p), entry in sorted(acc.items())]
 
 
 def main(argv=None) -> dict:
@@ -116,10 +154,11 @@ def main(argv=None) -> dict:
     t0 = time.perf_counter()
     shape = cost.shape_of(build_model(args.model, device="meta").config)
     cfg = search.PlanConfig(args.model, args.world, args.batch, args.seq, precision="fp32")
-    times, tables = {}, {}
+    times, tables, blocking = {}, {}, {}
     for degrees in grids(args.world):
-        res = run_ranks(args.world, worker, degrees, args, timeout=args.timeout, pg_timeout=300)[0]
-        times[degrees], tables[degrees] = res["times"], res["network"]
+        per_rank = run_ranks(args.world, worker, degrees, args, timeout=args.timeout, pg_timeout=300)
+        times[degrees], tables[degrees] = per_rank[0]["times"], per_rank[0]["network"]
+        blocking[degrees] = [r["blocking"] for r in per_rank]
     typical = median_table(list(tables.values()))
     net = Network(name="measured", gpus_per_node=args.world, gpu_memory_gb=1e6,
                   source="experiments/bench/planner.py", **typical)
@@ -146,8 +185,14 @@ def main(argv=None) -> dict:
                   f"{r['compute_s']:.4f}", f"{r['other_s']:.4f}", f"{r['comm_s']:.4f}",
                   f"{100 * r['measured_mfu']:.2f}%", f"{100 * r['predicted_mfu']:.2f}%", f"{r['moved_mb']:.2f}")
                  for r in sorted(rows, key=lambda r: r["measured_s"])]))
-    out = {"rows": rows, "table": typical, "probes": {str(d): t for d, t in tables.items()}, "spearman": {},
-           "spearman_comm_only": {}, "median_ratio_error": {}, "kendall": {}, "top3_recall": {}}
+    in_step = in_step_table(blocking, net)
+    print("blocking collectives, every grid's step: seconds per call in the step (mean over ranks) and as probed")
+    print(table(["mode", "op", "group", "calls", "in step ms", "probed ms", "in step / probed"],
+                [(e["mode"], e["op"], e["group_size"], e["calls"], f"{1e3 * e['in_step_s'] / e['calls']:.2f}",
+                  f"{1e3 * e['probed_s'] / e['calls']:.2f}", f"{e['in_step_s'] / e['probed_s']:.2f}")
+                 for e in in_step]))
+    out = {"rows": rows, "table": typical, "probes": {str(d): t for d, t in tables.items()}, "in_step": in_step,
+           "spearman": {}, "spearman_comm_only": {}, "median_ratio_error": {}, "kendall": {}, "top3_recall": {}}
     for name, subset in [(m, [r for r in rows if r["mode"] == m]) for m in MODES] + [("all", rows)]:
         measured, predicted = [r["measured_s"] for r in subset], [r["predicted_s"] for r in subset]
         out["spearman"][name] = spearman(measured, predicted)

@@ -176,3 +176,27 @@ def test_single_member_groups_record_nothing():
     parallel.comm.reduce_scatter(t, grid, "z")
     parallel.comm.all_to_all(t, grid, "x")
     assert parallel.LEDGER.records == []
+
+
+def _timed_calls(rank, world):
+    grid = parallel.Grid(1, world, 1, 1, rank=rank)
+    grid.build_groups()
+    t = torch.ones(8)
+    parallel.LEDGER.reset()
+    parallel.comm.all_reduce(t, grid, "x")  # not timed: `blocked` stays empty
+    untimed = list(parallel.LEDGER.blocked)
+    parallel.LEDGER.reset()
+    parallel.LEDGER.timed = True
+    parallel.comm.all_reduce(t, grid, "x")
+    _, work = parallel.comm.all_gather(t, grid, "x", async_op=True)
+    work.wait()
+    parallel.comm.all_to_all(t, grid, "x")
+    parallel.LEDGER.timed = False
+    return untimed, [r.op for r in parallel.LEDGER.records], list(parallel.LEDGER.blocked)
+
+
+def test_a_timed_ledger_notes_each_blocking_calls_seconds_and_none_for_async():
+    for untimed, ops, blocked in run_ranks(2, _timed_calls):
+        assert untimed == []
+        assert ops == ["all_reduce", "all_gather", "all_to_all"]
+        assert blocked[1] is None and all(s > 0 for s in (blocked[0], blocked[2])), blocked
