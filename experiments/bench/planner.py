@@ -12,7 +12,8 @@ own, and the steps and the probes run beside the same groups.
    micro-batch, the gradient sync, clip_grad_norm_, AdamW). The modes alternate, `--warmup` untimed steps then
    `--rounds` timed ones, each after a barrier and timed as the slowest rank; the median is kept;
 2. then, in the same ranks, measure this machine as `memtrain plan --measure` does, on every rank at once: each
-   collective's time per group size and payload, alone and queued (`measure_collectives`; payloads up to 4 MiB),
+   collective's time per group size and payload, alone, queued and back to back (`measure_collectives`; payloads
+   up to 4 MiB),
    the fp32 matmul rate per shape (`measure_matmuls`) and the rates of what a step spends besides matmuls
    (`measure_other`: per kernel, per element of each elementwise kind, AdamW's, attention's per score;
    memtrain/plan/probes.py); ranks sharing the cores share them in the probes as in the steps, so the rates are
@@ -56,7 +57,7 @@ from experiments.bench.common import kendall_tau, machine, spearman, table, time
 from memtrain.config import RunConfig
 from memtrain.hf import parallelize
 from memtrain.models import build_model
-from memtrain.plan import cost, search
+from memtrain.plan import compute, cost, search
 from memtrain.plan.network import Network, inside_node, measure_collectives, probe_grids
 from memtrain.plan.probes import measure_matmuls, measure_other
 from memtrain.training import build_optimizer, train_step
@@ -132,7 +133,8 @@ def in_step_table(blocking: dict, net: Network) -> list[dict]:
             for r, _ in per_rank[0][mode]:  # every rank of a grid issues the same records
                 entry = acc[(mode, r.op, r.group_size)]
                 entry["calls"] += 1
-                entry["probed_s"] += net.seconds(r, inside_node(grid, r.axes.split("+"), net.gpus_per_node))
+                entry["probed_s"] += net.seconds(r, inside_node(grid, r.axes.split("+"), net.gpus_per_node),
+                                                 compute.series(r))
             for calls in per_rank:
                 for r, seconds in calls[mode]:
                     acc[(mode, r.op, r.group_size)]["in_step_s"] += seconds / len(per_rank)

@@ -54,8 +54,9 @@ kinds sharing one link:
     step = compute + blocking + max(0, grads - last backward, weights + grads - (compute - optimizer))
 i.e. the gradient all-reduce hides behind the last backward at most, and the two together behind all compute
 before the optimizer (which needs the summed gradients). The weights' and gradients' collectives are issued async,
-each queued behind the one before, so they take a measured machine's streamed times; the rest take its times of
-one call alone (network.Network.seconds).
+each queued behind the one before, so they take a measured machine's streamed times; easy mode's re-layouts,
+which follow one another, its times of blocking calls back to back; the rest its times of one call alone
+(`series`, network.Network.seconds).
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ from dataclasses import dataclass
 
 from memtrain.hf.architectures import Matrix, Norm, Shape
 from memtrain.plan import cost
-from memtrain.plan.network import Network
+from memtrain.plan.network import CHAINED_OPS, Network
 from parallel import Grid
 from parallel.comm import Record
 
@@ -251,12 +252,12 @@ def step_compute(shape: Shape, grid: Grid, mode: str, batch: int, seq: int, micr
 def comm_seconds(records: Counter, gradients: Counter, seconds) -> dict[str, float]:
     """Seconds of a step's records (cost.step_records) by what overlap can do with them: "weights" (Z all-gathers
     and reduce-scatters), "grads" (the gradient all-reduce, cost.gradient_records), "blocking" (the rest).
-    `seconds(record, streamed)` is one record's time, issued alone or queued behind others of its class."""
+    `seconds(record, series)` is one record's time, issued as `series` says."""
     out = {"blocking": 0.0, "weights": 0.0, "grads": 0.0}
     for r, n in gradients.items():
-        out["grads"] += n * seconds(r, True)
+        out["grads"] += n * seconds(r, "streamed")
     for r, n in (records - gradients).items():
-        out["weights" if weights(r) else "blocking"] += n * seconds(r, weights(r))
+        out["weights" if weights(r) else "blocking"] += n * seconds(r, series(r, gradients))
     return out
 
 
@@ -265,10 +266,14 @@ def weights(r: Record) -> bool:
     return r.axes == "z" and r.op in ("all_gather", "reduce_scatter")
 
 
-def streamed(r: Record, gradients: Counter) -> bool:
-    """Whether the engine issues this record async, queued behind others of its class: a gradient bucket or a
-    weight's Z collective."""
-    return r in gradients or weights(r)
+def series(r: Record, gradients=()) -> str:
+    """How the engine issues a record (network.SERIES): "streamed", async and queued behind others of its class (a
+    gradient bucket or a weight's Z collective); "chained", blocking right after another (an activation's
+    re-layout: network.CHAINED_OPS, which sharded mode issues only over Z); else "isolated", blocking after
+    compute."""
+    if r in gradients or weights(r):
+        return "streamed"
+    return "chained" if r.op in CHAINED_OPS else "isolated"
 
 
 def step_seconds(compute: float, last_backward: float, comm: dict[str, float], optimizer: float = 0.0) -> float:

@@ -4,8 +4,9 @@ Presets live in machines.toml beside this file (with their sources); `memtrain p
 measured table (every collective's time per group size and payload, the GFLOP/s of matmuls per shape, and the
 rates of what a step spends besides matmuls; probes.py) that `--bandwidth` reads.
 A collective costs, where its group sits (inside one node or across nodes; ranks are laid out X fastest, then Y,
-Z, data): its measured time at that payload (`collective_curves`, interpolated), alone or queued behind others
-as the engine issues it; else latency + ring-moved bytes (`parallel.comm.Record.moved_bytes`) / bandwidth.
+Z, data): its measured time at that payload (`collective_curves`, interpolated), alone, queued behind others or
+back to back with others as the engine issues it; else latency + ring-moved bytes
+(`parallel.comm.Record.moved_bytes`) / bandwidth.
 A matmul [m, k] x [k, n] costs 2mkn FLOPs at the measured rate of its shape (interpolated), or, for a preset, at
 the GPU's dense peak times the fraction of it a large GEMM reaches.
 The rest of a step (compute.py's non-matmul term) costs, at measured rates: a fixed time per kernel, a time per
@@ -42,10 +43,20 @@ SMALL_MESSAGES = (64, 4096, 65536)
 There a CPU group's time is mostly its members waking one another, and no latency + bytes / bandwidth line
 fits it: on 8 gloo ranks sharing 2 cores an all-reduce of one value per member took half the time of a 1 KiB one."""
 STREAMED = 3
-"""Async calls the probe queues back to back to time one call of a stream."""
+"""Calls the probe issues in a row to time one call of a stream (async, queued) or of a chain (blocking, back to
+back)."""
 ASYNC_OPS = ("all_reduce", "all_gather", "reduce_scatter")
 """The ops the engine also issues async (parallel.comm): the weights' Z gathers and reduce-scatters, the gradient
 buckets."""
+CHAINED_OPS = ("all_gather", "reduce_scatter", "all_to_all")
+"""The ops of easy mode's re-layouts (parallel/linear.py), which follow one another with only copies between: each
+Linear's output edge is followed by the next one's input edge (q, k and v, gate and up share an input). The probe
+also times them back to back: on 8 gloo ranks sharing 2 cores such a call cost 0.65-0.86x a lone one in a step."""
+SERIES = ("isolated", "streamed", "chained")
+"""How a collective is issued, a measured curve's series: blocking after compute, async and queued, blocking and
+back to back."""
+SERIES_OPS = {"streamed": ASYNC_OPS, "chained": CHAINED_OPS}
+"""The ops whose curves have each series beyond "isolated"."""
 
 
 @dataclass
@@ -64,10 +75,11 @@ class Network:
     """Measured: op -> "intra"/"inter" -> {group size: [GB/s, latency us]}, from `memtrain plan --measure` (a summary
     of `collective_curves`, which the planner uses where it has them)."""
     collective_curves: dict = field(default_factory=dict)
-    """Measured: op -> "intra"/"inter" -> {group size: {"bytes": [...], "isolated": [s...], "streamed": [s...]}}: one
-    call's seconds per payload, alone after a barrier (as a blocking collective meets its members in a step) and,
-    for ASYNC_OPS, queued behind others of its kind (as the engine's prefetched gathers, deferred reduce-scatters
-    and gradient buckets run). Where an op has one, it replaces `collectives`' latency + bytes / bandwidth."""
+    """Measured: op -> "intra"/"inter" -> {group size: {"bytes": [...], "isolated": [s...], "streamed": [s...],
+    "chained": [s...]}}: one call's seconds per payload, alone after a barrier (as a blocking collective meets its
+    members after compute in a step), for ASYNC_OPS queued behind others of its kind (as the engine's prefetched
+    gathers, deferred reduce-scatters and gradient buckets run), and for CHAINED_OPS blocking, back to back (as easy
+    mode's re-layouts run). Where an op has one, it replaces `collectives`' latency + bytes / bandwidth."""
     bf16_tflops: float = 312.0
     """Dense peak matmul TFLOP/s of one GPU in bf16 (tensor cores, no sparsity)."""
     fp32_tflops: float = 19.5
@@ -91,14 +103,15 @@ class Network:
     SDPA's time per element of its seq x seq score square per head; none: attention at the matmul rate alone."""
     source: str = ""
 
-    def seconds(self, record: Record, inside_node: bool, streamed: bool = False) -> float:
-        """Time of one collective, from the nearest measured group size: its measured curve at this payload (the
-        streamed one for a call queued behind others), else latency + ring-moved bytes / bandwidth."""
+    def seconds(self, record: Record, inside_node: bool, series: str = "isolated") -> float:
+        """Time of one collective, from the nearest measured group size: its measured curve at this payload, in the
+        series of how it is issued ("isolated", "streamed" or "chained"; compute.series; "isolated" where the curve
+        has no such series), else latency + ring-moved bytes / bandwidth."""
         place = "intra" if inside_node else "inter"
         curves = (self.collective_curves.get(record.op) or {}).get(place)
         if curves:
             curve = curves[_nearest(curves, record.group_size)]
-            times = curve["streamed"] if streamed and "streamed" in curve else curve["isolated"]
+            times = curve.get(series) or curve["isolated"]
             return _interpolate(curve["bytes"], times, record.nbytes)
         table = self.collectives.get(record.op) or self.collectives.get("all_gather", {})
         sizes = table.get(place) or {}
@@ -269,7 +282,8 @@ def _check_table(path: Path, net: Network) -> None:
             for size, curve in (curves.items() if isinstance(curves, dict) else [("?", None)]):
                 if not (str(size).isdigit() and int(size) >= 1 and _curve(curve)):
                     raise bad(f"collective_curves.{op}.{place}", f"entry {size!r} is not {{bytes: two or more "
-                              "increasing sizes, isolated (and streamed): seconds > 0 per size} for a group size >= 1")
+                              "increasing sizes, isolated (and streamed, chained): seconds > 0 per size} for a group "
+                              "size >= 1")
     for precision, table in net.matmuls.items():
         dims = table.get("dims")
         n = len(dims) if isinstance(dims, list) else 0
@@ -292,14 +306,14 @@ def _check_table(path: Path, net: Network) -> None:
 
 def _curve(curve) -> bool:
     """A collective curve's shape: increasing payloads, and a positive time for each in every series."""
-    if not isinstance(curve, dict) or set(curve) - {"bytes", "isolated", "streamed"} or "isolated" not in curve:
+    if not isinstance(curve, dict) or set(curve) - {"bytes", *SERIES} or "isolated" not in curve:
         return False
     sizes = curve.get("bytes")
     if not (isinstance(sizes, list) and len(sizes) >= 2 and all(_positive(b) and isinstance(b, int) for b in sizes)
             and sizes == sorted(set(sizes))):
         return False
     return all(isinstance(curve[k], list) and len(curve[k]) == len(sizes) and all(map(_positive, curve[k]))
-               for k in ("isolated", "streamed") if k in curve)
+               for k in SERIES if k in curve)
 
 
 def inside_node(grid: Grid, axes, gpus_per_node: int) -> bool:
@@ -328,12 +342,13 @@ def probe_grids(rank: int, world: int) -> dict:
 def measure_collectives(rank: int, world: int, gpus_per_node: int, sizes_mb=(0.25, 1.0, 4.0), iters: int = 5,
                         device=None, grids: dict | None = None) -> dict:
     """Every collective per group size (groups of consecutive ranks, all groups at once), timed at payloads from
-    SMALL_MESSAGES up through `sizes_mb`: one call alone after a barrier, and for ASYNC_OPS one call of STREAMED
-    queued back to back. The rounds over every op and payload repeat (`iters` timed after one warm-up), so load
-    drifting on a shared machine moves every figure alike; each figure is its median over rounds, then the slowest
-    rank's (a collective ends when its last member does). Returns {"collective_curves": ..., "collectives": ...}
-    (`Network`'s fields), the second a latency + bandwidth summary of the first: the smallest payload's time, and
-    the least-squares slope of time - latency against moved bytes over `sizes_mb`. Every rank returns the same.
+    SMALL_MESSAGES up through `sizes_mb`: one call alone after a barrier, for ASYNC_OPS one call of STREAMED
+    queued back to back, and for CHAINED_OPS one of STREAMED blocking calls back to back. The rounds over every op
+    and payload repeat (`iters` timed after one warm-up), so load drifting on a shared machine moves every figure
+    alike; each figure is its median over rounds, then the slowest rank's (a collective ends when its last member
+    does). Returns {"collective_curves": ..., "collectives": ...} (`Network`'s fields), the second a latency +
+    bandwidth summary of the first: the smallest payload's isolated time, and the least-squares slope of time -
+    latency against moved bytes over `sizes_mb`. Every rank returns the same.
     `grids`: probe_grids built earlier, to time on groups that already existed while something else was timed."""
     import torch
     import torch.distributed as dist
@@ -349,21 +364,29 @@ def measure_collectives(rank: int, world: int, gpus_per_node: int, sizes_mb=(0.2
         if cuda:
             torch.cuda.synchronize()
 
-    def timed(op, grid, tensors) -> tuple[float, float]:
+    def timed(op, grid, tensors) -> tuple[float, float, float]:
+        """(alone, streamed, chained) seconds of one call; alone where the op has no such series."""
         dist.barrier()
         start = time.perf_counter()
         calls[op](tensors[0], grid, "x")
         finish()
-        alone = time.perf_counter() - start
-        if op not in ASYNC_OPS:
-            return alone, alone
-        dist.barrier()
-        start = time.perf_counter()
-        works = [calls[op](t, grid, "x", async_op=True) for t in tensors]
-        for w in works:
-            (w[1] if isinstance(w, tuple) else w).wait()
-        finish()
-        return alone, (time.perf_counter() - start) / len(tensors)
+        alone = stream = chain = time.perf_counter() - start
+        if op in ASYNC_OPS:
+            dist.barrier()
+            start = time.perf_counter()
+            works = [calls[op](t, grid, "x", async_op=True) for t in tensors]
+            for w in works:
+                (w[1] if isinstance(w, tuple) else w).wait()
+            finish()
+            stream = (time.perf_counter() - start) / len(tensors)
+        if op in CHAINED_OPS:
+            dist.barrier()
+            start = time.perf_counter()
+            for t in tensors:
+                calls[op](t, grid, "x")
+            finish()
+            chain = (time.perf_counter() - start) / len(tensors)
+        return alone, stream, chain
 
     was, parallel.LEDGER.enabled = parallel.LEDGER.enabled, False  # not a training step
     curves: dict = {}
@@ -380,16 +403,16 @@ def measure_collectives(rank: int, world: int, gpus_per_node: int, sizes_mb=(0.2
                     sample = timed(op, grid, tensors)
                     if round_:
                         kept.append(sample)
-            medians = torch.tensor([[statistics.median(s[k] for s in v) for k in (0, 1)] for v in samples.values()],
-                                   dtype=torch.float64, device=device)
+            medians = torch.tensor([[statistics.median(s[k] for s in v) for k in range(len(SERIES))]
+                                    for v in samples.values()], dtype=torch.float64, device=device)
             dist.all_reduce(medians, op=dist.ReduceOp.MAX)
-            for (op, n), (alone, stream) in zip(samples, medians.tolist()):
+            for (op, n), figures in zip(samples, medians.tolist()):
                 by_size = curves.setdefault(op, {}).setdefault(place, {})
-                curve = by_size.setdefault(str(p), {"bytes": [], "isolated": []})
+                curve = by_size.setdefault(str(p), {"bytes": []})
                 curve["bytes"].append(4 * n)
-                curve["isolated"].append(alone)
-                if op in ASYNC_OPS:
-                    curve.setdefault("streamed", []).append(stream)
+                for series, seconds in zip(SERIES, figures):
+                    if series == "isolated" or op in SERIES_OPS[series]:
+                        curve.setdefault(series, []).append(seconds)
             for op in OPS:
                 curve = curves[op][place][str(p)]
                 latency = curve["isolated"][0]

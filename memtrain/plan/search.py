@@ -144,8 +144,8 @@ def evaluate(shape, grid: Grid, mode: str, cfg: PlanConfig, net: Network, micro:
                                 checkpointing=cfg.activation_checkpointing, **kw)
     gradients = cost.gradient_records(shape, grid, mode, pb)
 
-    def seconds(r, streamed: bool) -> float:
-        return net.seconds(r, inside_node(grid, r.axes.split("+"), net.gpus_per_node), streamed)
+    def seconds(r, series: str) -> float:
+        return net.seconds(r, inside_node(grid, r.axes.split("+"), net.gpus_per_node), series)
 
     axes: dict[str, dict] = {}
     for r, n in records.items():
@@ -153,7 +153,7 @@ def evaluate(shape, grid: Grid, mode: str, cfg: PlanConfig, net: Network, micro:
         a = axes.setdefault(r.axes, {"payload": 0, "moved": 0.0, "seconds": 0.0, "inside_node": inside})
         a["payload"] += n * r.nbytes
         a["moved"] += n * r.moved_bytes
-        a["seconds"] += n * seconds(r, compute.streamed(r, gradients))
+        a["seconds"] += n * seconds(r, compute.series(r, gradients))
     memory = cost.state_bytes(shape, grid, mode, pb, cfg.offload)
     memory["activations"] = cost.activation_bytes(shape, grid, mode, micro * cfg.seq,
                                                   checkpointing=cfg.activation_checkpointing, **kw)

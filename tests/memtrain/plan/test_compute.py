@@ -203,13 +203,31 @@ def test_records_by_overlap_class():
     records = cost.step_records(shape, grid, "sharded", B, S)
     grads = cost.gradient_records(shape, grid, "sharded")
     assert {(r.op, r.axes) for r in grads} == {("all_reduce", "data"), ("all_reduce", "z+data")}
-    # One second per blocking record, ten per streamed one (queued async): counts, and which time each class takes.
-    got = compute.comm_seconds(records, grads, lambda r, streamed: 10.0 if streamed else 1.0)
+    # One second per isolated record, ten per streamed one (queued async): counts, and which time each class takes.
+    got = compute.comm_seconds(records, grads, lambda r, series: {"streamed": 10.0, "isolated": 1.0}[series])
     weights = sum(n for r, n in records.items() if r.axes == "z")
     assert got["weights"] == 10 * weights > 0 and got["grads"] == 20
     assert got["blocking"] == sum(records.values()) - weights - 2
     loss_sums = Counter({r: n for r, n in records.items() if r.axes == "z+data" and r.nbytes == 32})
     assert sum(loss_sums.values()) == 1 and not loss_sums & grads  # same op and axes as a gradient bucket
+
+
+@pytest.mark.parametrize("mode", ["sharded", "easy"])
+def test_easy_modes_re_layouts_are_chained_and_nothing_of_sharded_mode(mode):
+    shape = cost.shape_of(_model("llama", "meta").config)
+    grid = Grid(2, 2, 2, 2)
+    records = cost.step_records(shape, grid, mode, B, S)
+    grads = cost.gradient_records(shape, grid, mode)
+    by_series = Counter()
+    for r in records:
+        by_series[compute.series(r, grads), r.op, r.axes] += 1
+    assert all(by_series["streamed", op, "z"] for op in ("all_gather", "reduce_scatter"))
+    chained = {(op, axes) for s, op, axes in by_series if s == "chained"}
+    if mode == "sharded":  # its all-reduces follow matmuls and norms; its gathers are the weights' over Z
+        assert not chained
+    else:  # every edge of an easy-mode Linear, over x and over y
+        assert chained == {(op, axes) for op in ("all_to_all", "all_gather", "reduce_scatter") for axes in "xy"}
+        assert all(s != "chained" for s, op, _ in by_series if op == "all_reduce")
 
 
 # --------------------------------------------------------------------------------------------------

@@ -212,7 +212,9 @@ def test_measured_table_is_read_by_the_planner(ranks, tmp_path):
             fp32_values = sorted({b // 4 // int(p) * int(p) for b in payloads})  # divisible by the group
             assert curve["bytes"] == [4 * n for n in fp32_values], (op, p)
             assert ("streamed" in curve) == (op in network.ASYNC_OPS), (op, p)
-            assert all(t > 0 for series in ("isolated", "streamed") for t in curve.get(series, [])), (op, p)
+            assert ("chained" in curve) == (op in network.CHAINED_OPS), (op, p)
+            assert all(len(curve[s]) == len(curve["bytes"]) and min(curve[s]) > 0
+                       for s in network.SERIES if s in curve), (op, p)
             gbps, lat = table[op]["intra"][p]
             assert gbps > 0 and lat == pytest.approx(curve["isolated"][0] * 1e6)
     path = tmp_path / "bw.json"
@@ -220,4 +222,8 @@ def test_measured_table_is_read_by_the_planner(ranks, tmp_path):
     net = network.load_network(bandwidth=str(path))
     curve = curves["all_reduce"]["intra"]["4"]
     record = Record("all_reduce", "x", 4, curve["bytes"][2])
-    assert net.seconds(record, True) == curve["isolated"][2] and net.seconds(record, True, True) == curve["streamed"][2]
+    assert net.seconds(record, True) == curve["isolated"][2]
+    assert net.seconds(record, True, "streamed") == curve["streamed"][2]
+    assert net.seconds(record, True, "chained") == curve["isolated"][2]  # an all-reduce has no chained series
+    curve = curves["all_to_all"]["intra"]["4"]
+    assert net.seconds(Record("all_to_all", "x", 4, curve["bytes"][2]), True, "chained") == curve["chained"][2]

@@ -4,7 +4,8 @@
   round-trips through JSON; a damaged entry is one error naming it.
 - Attention's rate per score interpolates in log head size and holds the edges.
 - A collective's measured curve: piecewise linear between payloads, the smallest's time below them, the last
-  segment's rate above them (the whole range's where noise made it fall); the streamed series for a queued call;
+  segment's rate above them (the whole range's where noise made it fall); the streamed series for a queued call,
+  the chained one for a call back to back with others, the isolated one where a curve lacks the series asked for;
   the latency + bandwidth entry where an op has no curve; a damaged curve is one error naming it.
 - The probes, on one process at small sizes: every rate finite and positive, in a table `--bandwidth` reads.
 """
@@ -70,19 +71,23 @@ def test_attention_rate_interpolates_in_log_head_size():
     assert net.attention_seconds(16, "bf16") is None
 
 
-CURVE = {"bytes": [64, 4096, 65536], "isolated": [2e-3, 3e-3, 5e-3], "streamed": [1e-3, 1.5e-3, 4e-3]}
+CURVE = {"bytes": [64, 4096, 65536], "isolated": [2e-3, 3e-3, 5e-3], "streamed": [1e-3, 1.5e-3, 4e-3],
+         "chained": [1.2e-3, 2e-3, 4.5e-3]}
 
 
 def test_a_collective_curve_interpolates_and_extends_at_the_last_segments_rate(tmp_path):
     net = _load(tmp_path, {"collective_curves": {"all_reduce": {"intra": {"4": CURVE}}},
                            "collectives": {"all_gather": {"intra": {"4": [1.0, 100.0]}}}})
 
-    def seconds(nbytes, streamed=False, op="all_reduce", p=4):
-        return net.seconds(Record(op, "x", p, nbytes), True, streamed)
+    def seconds(nbytes, series="isolated", op="all_reduce", p=4):
+        return net.seconds(Record(op, "x", p, nbytes), True, series)
 
     assert seconds(8) == seconds(64) == pytest.approx(2e-3)
     assert seconds(2080) == pytest.approx(2.5e-3)  # halfway between 64 and 4096 bytes
-    assert seconds(4096, streamed=True) == pytest.approx(1.5e-3)
+    assert seconds(4096, "streamed") == pytest.approx(1.5e-3)
+    assert seconds(4096, "chained") == pytest.approx(2e-3)
+    net.collective_curves["all_reduce"]["intra"]["4"].pop("chained")
+    assert seconds(4096, "chained") == pytest.approx(3e-3)  # no chained series: the isolated one
     rate = 2e-3 / (65536 - 4096)  # the last segment's
     assert seconds(65536 + 10**6) == pytest.approx(5e-3 + 10**6 * rate)
     assert seconds(4096, p=8) == seconds(4096, p=3) == pytest.approx(3e-3)  # the nearest measured group size
@@ -97,6 +102,7 @@ def test_a_collective_curve_interpolates_and_extends_at_the_last_segments_rate(t
 @pytest.mark.parametrize("curve", [
     dict(CURVE, bytes=[64]), dict(CURVE, bytes=[4096, 64, 65536]), dict(CURVE, isolated=[1e-3, 0.0, 1e-3]),
     dict(CURVE, streamed=[1e-3]), {"bytes": [64, 128], "streamed": [1e-3, 2e-3]}, dict(CURVE, slow=[1.0] * 3),
+    dict(CURVE, chained=[1e-3, 2e-3, -1.0]),
 ])
 def test_a_damaged_collective_curve_is_one_error_naming_it(tmp_path, curve):
     with pytest.raises(ValueError, match="bandwidth table .*: collective_curves.all_reduce.intra entry '4'"):
