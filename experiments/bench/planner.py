@@ -33,11 +33,10 @@ own, and the steps and the probes run beside the same groups.
     python -m experiments.bench.planner [--model ladder-1m] [--batch 16] [--seq 64] [--rounds 5] [--json out.json]
 
 Nothing is fitted: the prediction uses only the probes of step 2. What it leaves out shows as the ratio error. On
-8 ranks sharing 2 cores: easy mode's re-layouts over 2 or 4 ranks cost less in a step than one call alone in the
-probe (0.6-0.85x; a probe of calls back to back brings easy mode's error to 0.14 but sharded mode's, whose
-all-reduces follow matmuls, to 0.21); the data-parallel step spends more than its probed rates, and the overlap
-credited to async collectives is not all there (gloo's threads need the cores the compute uses). The load of
-other processes on a shared machine moves every figure: they are a check of the model, not a test.
+8 ranks sharing 2 cores: the data-parallel step spends more than its probed rates, and the overlap credited to
+async collectives is not all there (gloo's threads need the cores the compute uses); step 4's table shows what
+each kind of blocking call costs in a step against the probe. The load of other processes on a shared machine
+moves every figure: they are a check of the model, not a test.
 """
 
 from __future__ import annotations
