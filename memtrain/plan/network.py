@@ -55,8 +55,8 @@ also times them back to back: on 8 gloo ranks sharing 2 cores such a call cost 0
 SERIES = ("isolated", "streamed", "chained")
 """How a collective is issued, a measured curve's series: blocking after compute, async and queued, blocking and
 back to back."""
-SERIES_OPS = {"streamed": ASYNC_OPS, "chained": CHAINED_OPS}
-"""The ops whose curves have each series beyond "isolated"."""
+SERIES_OPS = {"isolated": OPS, "streamed": ASYNC_OPS, "chained": CHAINED_OPS}
+"""The ops whose curves have each series."""
 
 
 @dataclass
@@ -365,7 +365,8 @@ def measure_collectives(rank: int, world: int, gpus_per_node: int, sizes_mb=(0.2
             torch.cuda.synchronize()
 
     def timed(op, grid, tensors) -> tuple[float, float, float]:
-        """(alone, streamed, chained) seconds of one call; alone where the op has no such series."""
+        """Seconds of one call in each of SERIES, in its order: alone, streamed, chained (alone where the op has
+        no such series)."""
         dist.barrier()
         start = time.perf_counter()
         calls[op](tensors[0], grid, "x")
@@ -411,7 +412,7 @@ def measure_collectives(rank: int, world: int, gpus_per_node: int, sizes_mb=(0.2
                 curve = by_size.setdefault(str(p), {"bytes": []})
                 curve["bytes"].append(4 * n)
                 for series, seconds in zip(SERIES, figures):
-                    if series == "isolated" or op in SERIES_OPS[series]:
+                    if op in SERIES_OPS[series]:
                         curve.setdefault(series, []).append(seconds)
             for op in OPS:
                 curve = curves[op][place][str(p)]
