@@ -161,6 +161,18 @@ def test_resume_waits_for_jobs_still_running_and_never_submits_them_twice(env, c
     assert sorted((r["point"], r["job"]["id"]) for r in results(out)) == sorted(ids.items())
 
 
+def test_a_controller_still_starting_counts_as_running():
+    """What /proc says of a submitit-local job's pid. An empty command line is a process still starting: a --resume
+    right after a --no-wait sweep once read it for the second job and ran that job again."""
+    running = "Name:\tpython\nUmask:\t0022\nState:\tR (running)\n"
+    controller = b"/usr/bin/python\0-m\0submitit.local._local\0/runs/p/submitit\0"
+    assert jobs._is_controller(running, controller)
+    assert jobs._is_controller(running, b"")  # still inside its start
+    assert not jobs._is_controller(running.replace("R (running)", "Z (zombie)"), b"")
+    assert not jobs._is_controller(running, b"/usr/bin/vim\0notes.txt\0")  # the pid went to another program
+    assert not jobs._pid_running(os.getpid())  # pytest's own command line names no submitit
+
+
 def _time_limit_warning(run_dir: Path, deadline_s: float = 120.0) -> list[int]:
     """Send a job's time-limit warning as soon as its trainer has saved a checkpoint: SIGUSR2 to every task of the
     job, what submitit's local controller does `signal_delay_s` (30 s) before the limit (Controller.wait in
