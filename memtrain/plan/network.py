@@ -106,7 +106,9 @@ class Network:
     def seconds(self, record: Record, inside_node: bool, series: str = "isolated") -> float:
         """Time of one collective, from the nearest measured group size: its measured curve at this payload, in the
         series of how it is issued ("isolated", "streamed" or "chained"; compute.series; "isolated" where the curve
-        has no such series), else latency + ring-moved bytes / bandwidth."""
+        has no such series), else latency + ring-moved bytes / bandwidth. A series not in SERIES is an error."""
+        if series not in SERIES:
+            raise ValueError(f"unknown series {series!r}: use one of {', '.join(SERIES)}")
         place = "intra" if inside_node else "inter"
         curves = (self.collective_curves.get(record.op) or {}).get(place)
         if curves:

@@ -88,6 +88,8 @@ def test_a_collective_curve_interpolates_and_extends_at_the_last_segments_rate(t
     assert seconds(4096, "chained") == pytest.approx(2e-3)
     net.collective_curves["all_reduce"]["intra"]["4"].pop("chained")
     assert seconds(4096, "chained") == pytest.approx(3e-3)  # no chained series: the isolated one
+    with pytest.raises(ValueError, match="unknown series 'chain': use one of isolated, streamed, chained"):
+        seconds(4096, "chain")  # a misspelt series is an error, never the isolated curve in silence
     rate = 2e-3 / (65536 - 4096)  # the last segment's
     assert seconds(65536 + 10**6) == pytest.approx(5e-3 + 10**6 * rate)
     assert seconds(4096, p=8) == seconds(4096, p=3) == pytest.approx(3e-3)  # the nearest measured group size
