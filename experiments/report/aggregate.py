@@ -74,7 +74,10 @@ def agg(values):
     vals = [v for v in values if v is not None]
     if not vals:
         return None
-    return sum(vals) / len(vals), min(vals), max(vals), len(vals)
+    lo, hi = min(vals), max(vals)
+    # Clamped: rounding can put a mean of equal values one ulp outside them (3 x 0.1 sums to 0.30000000000000004),
+    # and the figures draw hi - mean and mean - lo as error bars, which must not be negative.
+    return min(max(sum(vals) / len(vals), lo), hi), lo, hi, len(vals)
 
 
 def series(rows, metric) -> dict[str, list[tuple]]:

@@ -2,6 +2,7 @@
 
 import pytest
 
+from experiments.report.aggregate import agg
 from experiments.report.stats import wilson
 
 
@@ -24,3 +25,12 @@ def test_wilson_bounds_hold_the_rate_exactly(n):
         lo, hi = wilson(k, n)
         assert 0 <= lo <= k / n <= hi <= 1
     assert wilson(0, n)[0] == 0 and wilson(n, n)[1] == 1
+
+
+@pytest.mark.parametrize("n", range(1, 40))
+def test_a_mean_over_seeds_stays_within_their_range(n):
+    # three seeds of 0.1 summed to 0.30000000000000004, and their mean's bar of -1e-17 made matplotlib refuse to draw
+    for v in (0.1, 0.7, 1 / 3, 2.675):
+        mean, lo, hi, count = agg([v] * n + [None])
+        assert lo <= mean <= hi and lo == hi == v and count == n
+    assert agg([1.0, 2.0, 6.0]) == (3.0, 1.0, 6.0, 3) and agg([None]) is None
