@@ -218,6 +218,25 @@ def _corpus_note(ok: list[dict]) -> list[str]:
             f"only where this fingerprint is the same.{why}", ""]
 
 
+def _precision_note(ok: list[dict]) -> list[str]:
+    """Runs that trained in different dtypes (train.precision "auto" decided on two machines, say, a sweep resumed
+    elsewhere): which points took which, since pooling their seeds and sizes assumes the dtype does not matter."""
+    points: dict[str, set[str]] = {}
+    for r in ok:
+        if r.get("precision"):
+            points.setdefault(str(r["precision"]), set()).add(str(r.get("point")))
+    if len(points) < 2:
+        return []
+    fewest = min(points, key=lambda p: (len(points[p]), p))
+    most = max(points, key=lambda p: (len(points[p]), p))
+    named = sorted(points[fewest])
+    listed = ", ".join(named[:6]) + (f" and {len(named) - 6} more" if len(named) > 6 else "")
+    counts = ", ".join(f"{p}: {len(v)} point(s)" for p, v in sorted(points.items()))
+    return [f"**Precision: {len(points)} different ones across these runs** ({counts}; {fewest}: {listed}): their "
+            "results pool only if the dtype changes nothing, which this report does not test. For one dtype "
+            f"throughout, set it in the sweep's [base] (or --set train.precision={most}) and rerun those points.", ""]
+
+
 def write_markdown(rows: list[dict], figs: list[Path], out: Path, lead: list[str] = (), study: dict | None = None
                    ) -> Path:
     """report.md: the header, `lead` (a study's own summary and tables), then the sections every sweep has.
@@ -230,7 +249,7 @@ def write_markdown(rows: list[dict], figs: list[Path], out: Path, lead: list[str
              f"{len(rows)} run(s): {len(ok)} ok, {len(failed)} failed; precision {', '.join(precisions) or '-'}. "
              "Metrics are over the inserted canaries (exact match, ROUGE-L: greedy suffix extraction; exposure: "
              f"random canaries, in bits, {_exposure_note(ok)}; MIA AUC: loss attack, inserted canaries vs their "
-             "never-trained twins; val loss: held-out documents).", "", *_corpus_note(ok), *lead]
+             "never-trained twins; val loss: held-out documents).", "", *_corpus_note(ok), *_precision_note(ok), *lead]
     study = passes.numbers(rows) if study is None else study
     kinds = sorted({key.split("/")[0] for r in ok for key in ((r.get("eval") or {}).get("cells") or {})})
     for kind in [None, *kinds] if len(kinds) > 1 else [None]:

@@ -157,6 +157,29 @@ def _with_corpus(row, source, fingerprint):
     return {**row, "run": {"corpus": {"source": source, "fingerprint": fingerprint, "documents": 240}}}
 
 
+def test_runs_in_two_dtypes_are_named_with_the_fix(tmp_path):
+    """train.precision "auto" decides per machine: a sweep resumed on another one can train some points in fp32 and
+    the rest in bf16. The report names the minority's points and the setting that gives one dtype; one dtype says
+    nothing beyond the header."""
+    rows = [dict(synthetic_row(model, params, "standard", seed), point=f"{model}_s{seed}", precision="bf16")
+            for model, params in MODELS[:2] for seed in (0, 1, 2)]
+    for name, precisions in (("one", ["bf16"] * 6), ("two", ["bf16"] * 4 + ["fp32"] * 2)):
+        out = tmp_path / name
+        out.mkdir()
+        mixed = [dict(r, precision=p) for r, p in zip(rows, precisions)]
+        (out / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in mixed))
+        report.build_report(out / "results.jsonl", out)
+        md = (out / "report.md").read_text()
+        if name == "one":
+            assert "precision bf16." in md and "**Precision" not in md
+            continue
+        assert "precision bf16, fp32." in md
+        fp32 = ", ".join(r["point"] for r in mixed[4:])
+        assert (f"**Precision: 2 different ones across these runs** (bf16: 4 point(s), fp32: 2 point(s); fp32: {fp32})"
+                in md)
+        assert "--set train.precision=bf16) and rerun those points" in md
+
+
 def test_the_report_names_the_corpus_and_refuses_to_pool_two(tmp_path):
     """The built-in corpus is the running Python's sources: a report says which text its numbers are about."""
     rows = [synthetic_row(model, params, "standard", seed) for model, params in MODELS[:2] for seed in (0, 1)]
