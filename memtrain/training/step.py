@@ -114,7 +114,8 @@ def train_step(plm, grid: parallel.Grid, opt, input_ids: torch.Tensor, labels: t
     ids, labels, keep = input_ids[rows], labels[rows], keep[rows]
     pos = position_ids[rows] if position_ids is not None else None
     opt.zero_grad(set_to_none=True)
-    totals = torch.zeros(len(LossSums._fields), dtype=torch.float64)
+    # On the device: NCCL reduces device tensors only, and a host copy per micro-batch would wait for its backward.
+    totals = torch.zeros(len(LossSums._fields), dtype=torch.float64, device=device)
     sync = parallel.grad_sync(plm, grid) if grad_sync == "overlap" else None
     offload = isinstance(opt, OffloadAdamW)
     with sync or nullcontext():  # on exit every gradient is summed over its reduce axes
@@ -129,7 +130,7 @@ def train_step(plm, grid: parallel.Grid, opt, input_ids: torch.Tensor, labels: t
                                                     None if pos is None else pos[sl].to(device))
                 s = loss_sums(token_losses.float(), keep[sl].to(device), labels[sl].to(device))
                 (s.kept_sum / n_kept).backward()
-            totals += torch.stack([x.detach().double().cpu() for x in s])
+            totals += torch.stack([x.detach().double() for x in s])
         if sync is not None and offload:
             opt.stream(sync, update=grad_clip <= 0)
     if sync is None:
@@ -140,4 +141,4 @@ def train_step(plm, grid: parallel.Grid, opt, input_ids: torch.Tensor, labels: t
         norm = parallel.clip_grad_norm_(plm, grad_clip, grid) if grad_clip > 0 else parallel.grad_norm(plm, grid)
         opt.step()
     parallel.comm.all_reduce(totals, grid, plm.row_axes)  # one message for the four sums
-    return LossSums(*totals), norm
+    return LossSums(*totals.cpu()), norm
