@@ -130,7 +130,7 @@ def train_step(plm, grid: parallel.Grid, opt, input_ids: torch.Tensor, labels: t
                                                     None if pos is None else pos[sl].to(device))
                 s = loss_sums(token_losses.float(), keep[sl].to(device), labels[sl].to(device))
                 (s.kept_sum / n_kept).backward()
-            totals += torch.stack([x.detach().double() for x in s])
+            totals += torch.stack(s).detach().double()
         if sync is not None and offload:
             opt.stream(sync, update=grad_clip <= 0)
     if sync is None:
