@@ -11,7 +11,9 @@ Intervals come from a cluster bootstrap: resample the seeds (each a whole run: i
 inside each drawn seed its canaries: stratified by dose when each canary has one dose (copies), or each canary
 with its whole curve when it was scored at every dose (passes); a canary keeps its results at every size, so
 sizes stay paired. A bound is never turned into a number: a percentile that falls on a censored replicate is reported as
-unbounded on that side, and an extrapolation whose interval is unbounded prints no number.
+unbounded on that side, and an extrapolation whose interval is unbounded prints no number. Across sizes, a power law
+with censored sizes has no slope, but where they all pull it one way the fit with them at their bounds bounds it on
+that side (bounded_slope), and the interval keeps that side's end.
 
 Nothing here needs torch: the report is drawn from results.jsonl alone.
 """
@@ -165,6 +167,29 @@ def loglog_slope(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float
     return float(slope), float(intercept)
 
 
+def bounded_slope(xs: Sequence[float], crossings: Sequence[Crossing]) -> tuple[str, float] | None:
+    """What a power law's slope still says when some sizes are censored: the least-squares slope with each censored
+    crossing set at its bound, and whether that is an "upper" or a "lower" bound on the slope. A crossing raised at a
+    size left of the mean of log x lowers the slope, one at a size right of it raises it (the slope's weight on a
+    point is its log x minus the mean): a right-censored size (true crossing above its bound) left of the mean, or a
+    left-censored one right of it, makes the substituted slope an upper bound, and the mirror cases a lower one.
+    None when the censored sizes pull both ways (or sit at the mean), or nothing is censored."""
+    if all(c.value is not None for c in crossings) or len(set(xs)) < 2:
+        return None
+    ys = [c.value if c.value is not None else (c.above if c.above is not None else c.below) for c in crossings]
+    fit = loglog_slope(xs, ys)
+    if fit is None:
+        return None
+    mean = float(np.mean(np.log10(xs)))
+    sides = set()
+    for x, c in zip(xs, crossings):
+        if c.value is None:
+            if math.log10(x) == mean:
+                return None
+            sides.add("upper" if (math.log10(x) < mean) == (c.above is not None) else "lower")
+    return (sides.pop(), fit[0]) if len(sides) == 1 else None
+
+
 def solve_for_x(fit: tuple[float, float] | None, y: float, max_log10: float = 300.0) -> float:
     """The x at which log10 y = slope log10 x + intercept reaches `y`: +inf when it never does within
     10^max_log10 (a flat or rising fit, or one so shallow that the answer is off any scale) or for no fit."""
@@ -191,6 +216,10 @@ def size_trend(units: Sequence[Unit], sizes: dict[str, float], threshold: float,
         keys = list(sizes)
         return loglog_slope([sizes[k] for k in keys], [cr[k].as_number() for k in keys])
 
+    def bound_of(cr):
+        keys = list(sizes)
+        return bounded_slope([sizes[k] for k in keys], [cr[k] for k in keys])
+
     point = crossings(np.arange(len(units)))
     reps = [crossings(idx) for idx in _draws(units, n_boot, seed)]
     slopes = [(f[0] if (f := fit_of(cr)) else math.nan) for cr in reps]
@@ -199,6 +228,8 @@ def size_trend(units: Sequence[Unit], sizes: dict[str, float], threshold: float,
     # a replicate with a censored size bounds the slope without giving it: report a side only while such
     # replicates fit in that side's 2.5% tail (both sides, since the direction of a bound is unknown)
     slope_ci = percentile_interval(finite) if finite and unbounded <= 0.025 * len(slopes) else (-math.inf, math.inf)
+    if slope_ci == (-math.inf, math.inf) and finite != slopes:
+        slope_ci = _one_sided(slopes, [bound_of(cr) if not math.isfinite(s) else None for s, cr in zip(slopes, reps)])
     one = [solve_for_x(fit_of(cr), 1.0) for cr in reps]
     fit = fit_of(point)
     return {
@@ -206,9 +237,32 @@ def size_trend(units: Sequence[Unit], sizes: dict[str, float], threshold: float,
         "sizes": {k: {"params": sizes[k], "crossing": point[k],
                       "interval": percentile_interval([cr[k].as_number() for cr in reps])} for k in sizes},
         "slope": fit[0] if fit else None, "slope_interval": slope_ci, "replicates_censored": unbounded,
+        "slope_bound": None if fit else bound_of(point),
         "dose_one_params": solve_for_x(fit, 1.0) if fit else math.inf,
         "dose_one_interval": percentile_interval(one),
     }
+
+
+def _one_sided(slopes: list[float], bounds: list[tuple[str, float] | None]) -> tuple[float, float]:
+    """The slope's interval when censored replicates all bound it on one side: each such replicate's slope lies
+    beyond its substituted one (bounded_slope) on that side only, so the percentile of the substituted values is a
+    conservative end on the bounded side; the other side stays unbounded. Either side where they disagree."""
+    sides = {b[0] if b else None for s, b in zip(slopes, bounds) if not math.isfinite(s)}
+    if len(sides) != 1 or None in sides:
+        return -math.inf, math.inf
+    values = [s if math.isfinite(s) else b[1] for s, b in zip(slopes, bounds)]
+    lo, hi = percentile_interval(values)
+    return (-math.inf, hi) if sides == {"upper"} else (lo, math.inf)
+
+
+def slope_label(trend: dict) -> str:
+    """A size_trend's slope as the report prints it: the fit, or the bound its censored sizes leave, or none."""
+    if trend["slope"] is not None:
+        return f"{trend['slope']:.2f}"
+    if trend["slope_bound"] is None:
+        return "none (a size is censored)"
+    side, value = trend["slope_bound"]
+    return f"{'at most' if side == 'upper' else 'at least'} {value:.2f} (censored sizes set at their bounds)"
 
 
 def extrapolation_band(units: Sequence[Unit], sizes: dict[str, float], thresholds: Sequence[float] = (0.2, 0.5, 0.7),

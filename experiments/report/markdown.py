@@ -30,6 +30,7 @@ from .aggregate import (
     ok_rows,
     supervised_token_cost,
 )
+from .crossing import slope_label
 from .passes import N_BOOT, bound
 
 ANCHORS = [
@@ -125,7 +126,7 @@ def _trend_lines(s: dict) -> list[str]:
     """The power law across sizes and the one-pass band, or why there is no number."""
     trend, band = s["trend"], s["band"]
     lo, hi = trend["slope_interval"]
-    slope = "none (a size is censored)" if trend["slope"] is None else f"{trend['slope']:.2f}"
+    slope = slope_label(trend)
     lo, hi = bound(lo, "{:.2f}"), bound(hi, "{:.2f}")
     lines = [f"Power law passes-to-{THRESHOLD:.0%} ~ N^slope over {len(s['sizes'])} sizes ({s['seeds']} seed(s) x "
              f"{s['canaries']} canaries, {s['passes']} passes): slope {slope}, 95% interval [{lo}, {hi}]; "

@@ -9,6 +9,7 @@ import math
 from pathlib import Path
 
 from .aggregate import human
+from .crossing import slope_label
 from .figure_files import save_figure as _save
 from .figure_files import write_csv as _csv
 from .markdown import md_table
@@ -208,7 +209,7 @@ def section(nums: dict) -> list[str]:
                          f"[{_bound(s['interval'][0]) if s['interval'][0] > -math.inf else '<= smallest'}, "
                          f"{_bound(s['interval'][1])}]"] for model, s in trend["sizes"].items()])
         lo, hi = trend["slope_interval"]
-        slope = "-" if trend["slope"] is None else f"{trend['slope']:.2f}"
+        slope = slope_label(trend)
         lines += ["", f"Power law copies-to-50% ~ N^slope: slope {slope}, 95% interval "
                   f"[{_bound(lo)}, {_bound(hi)}] ({trend['replicates_censored']} of {N_BOOT} bootstrap replicates "
                   "had a censored size and bound the slope only)."]

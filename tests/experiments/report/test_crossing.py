@@ -8,6 +8,7 @@ import pytest
 from experiments.report.crossing import (
     Crossing,
     bootstrap,
+    bounded_slope,
     cells_of,
     cluster_resamples,
     crossing,
@@ -16,6 +17,7 @@ from experiments.report.crossing import (
     monotone,
     percentile_interval,
     size_trend,
+    slope_label,
     solve_for_x,
 )
 
@@ -90,6 +92,25 @@ def test_power_law_solve_is_robust_to_flat_and_rising_fits():
     assert loglog_slope([1e5, 1e6], [math.inf, 2]) is None and loglog_slope([1e5, 1e5], [2, 3]) is None
 
 
+def test_censored_sizes_bound_the_slope_on_one_side_only():
+    """Copies to 50% falling 4x per decade, with the smallest size censored (> 64, true 256): the slope with 64
+    put in is an upper bound, and the true one lies below it. Censored at both ends, the bounds pull both ways."""
+    xs = [1e5, 1e6, 1e7, 1e8]
+    exact = [Crossing(256.0), Crossing(64.0), Crossing(16.0), Crossing(4.0)]
+    true_slope = loglog_slope(xs, [c.value for c in exact])[0]
+    assert bounded_slope(xs, exact) is None  # nothing censored: the fit itself
+    side, at_most = bounded_slope(xs, [Crossing(None, above=64.0), *exact[1:]])
+    assert side == "upper" and true_slope < at_most < 0
+    assert at_most == pytest.approx(loglog_slope(xs, [64, 64, 16, 4])[0])
+    # left-censored at the largest size (true 4, at or below 8): an upper bound again
+    assert bounded_slope(xs, [*exact[:3], Crossing(None, below=8.0)])[0] == "upper"
+    # right-censored at the largest: the slope can only be higher
+    assert bounded_slope(xs, [*exact[:3], Crossing(None, above=2.0)])[0] == "lower"
+    assert bounded_slope(xs, [Crossing(None, above=64.0), *exact[1:3], Crossing(None, above=2.0)]) is None
+    middle = [Crossing(8.0), Crossing(None, above=8.0), Crossing(2.0)]
+    assert bounded_slope([1e5, 1e6, 1e7], middle) is None  # at the mean of log x: no side
+
+
 def test_size_trend_known_answer_and_censored_sizes():
     doses = (1, 2, 4, 8, 16, 32)
     # small needs ~16 copies for 50%, large ~2; "flat" never reaches 50% (right-censored)
@@ -106,7 +127,14 @@ def test_size_trend_known_answer_and_censored_sizes():
     censored = size_trend(units, {"small": 1e5, "flat": 1e6}, 0.5, n_boot=200)
     assert censored["sizes"]["flat"]["crossing"] == Crossing(None, above=32)
     assert censored["sizes"]["flat"]["interval"][1] == math.inf
-    assert censored["slope_interval"] == (-math.inf, math.inf) and censored["dose_one_params"] == math.inf
+    assert censored["slope"] is None and censored["dose_one_params"] == math.inf
+    # the large size's crossing lies above 32: the slope at least that of (small, 32), whatever it is
+    side, at_least = censored["slope_bound"]
+    small_x = censored["sizes"]["small"]["crossing"].value
+    assert side == "lower" and at_least == pytest.approx(math.log10(32 / small_x))
+    lo, hi = censored["slope_interval"]
+    assert hi == math.inf and lo < at_least and slope_label(censored) == f"at least {at_least:.2f} (censored sizes " \
+        "set at their bounds)"
     band = extrapolation_band(units, {"small": 1e5, "flat": 1e6}, n_boot=50)
     assert band["band"] is None  # unbounded: no number to print
 

@@ -82,7 +82,12 @@ def test_a_size_that_never_reaches_half_is_a_lower_bound_with_no_number_beyond_i
     s = passes.numbers(rows)[None]["standard"]
     flat = s["trend"]["sizes"]["flat"]
     assert flat["crossing"].label() == f"> {PASSES}" and flat["interval"] == (math.inf, math.inf)
-    assert s["trend"]["slope"] is None and s["trend"]["slope_interval"] == (-math.inf, math.inf)
+    # no slope, but a bound: the small size's crossing lies above PASSES, so the slope is at most that of
+    # (PASSES, 1.5) over 40x the parameters (steeper were the crossing later); only the upper end is bounded
+    at_most = math.log10(1.5 / PASSES) / math.log10(40)
+    assert s["trend"]["slope"] is None and s["trend"]["slope_bound"] == ("upper", pytest.approx(at_most))
+    lo, hi = s["trend"]["slope_interval"]
+    assert lo == -math.inf and at_most <= hi < 0
     assert s["band"]["band"] is None
 
     (tmp_path / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -91,7 +96,8 @@ def test_a_size_that_never_reaches_half_is_a_lower_bound_with_no_number_beyond_i
     section = text[text.index("## Memorization vs passes"):text.index("## Runs")]
     assert f"| flat | 100k | > {PASSES} | [> {PASSES}, unbounded] |" in section
     assert "| large | 4M | 1.5 | [1.5, 1.5] |" in section
-    assert "slope none (a size is censored), 95% interval [unbounded, unbounded]" in section
+    assert (f"slope at most {at_most:.2f} (censored sizes set at their bounds), 95% interval [unbounded, {hi:.2f}]"
+            in section)
     assert "no number is given" in section and "parameters (over the thresholds" not in section
     assert "pass 8" in section and "(6/30)" in section  # the Wilson per-pass table is kept beside it
     for suffix in (".png", ".pdf", ".svg", ".csv"):
