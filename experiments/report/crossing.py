@@ -226,7 +226,7 @@ def size_trend(units: Sequence[Unit], sizes: dict[str, float], threshold: float,
     finite = [s for s in slopes if math.isfinite(s)]
     unbounded = len(slopes) - len(finite)
     # a replicate with a censored size bounds the slope without giving it: report a side only while such
-    # replicates fit in that side's 2.5% tail (both sides, since the direction of a bound is unknown)
+    # replicates fit in that side's 2.5% tail, or, where all of them bound it the same way, that way's end
     slope_ci = percentile_interval(finite) if finite and unbounded <= 0.025 * len(slopes) else (-math.inf, math.inf)
     if slope_ci == (-math.inf, math.inf) and finite != slopes:
         slope_ci = _one_sided(slopes, [bound_of(cr) if not math.isfinite(s) else None for s, cr in zip(slopes, reps)])
