@@ -130,7 +130,7 @@ def fig_threshold(study: dict, path: Path, kind: str | None = None) -> Path | No
                 censored, limit = "below", c.below
                 marks.setdefault(("v", True, "reached by pass 1 (an upper bound)"), []).append((x, limit))
             table.append([loss, model, row["params"], c.value, censored, limit, lo, hi, trend["slope"],
-                          *trend["slope_interval"], *(band or (None, None))])
+                          *trend["slope_interval"], *(band or (None, None)), *(trend["slope_bound"] or (None, None))])
         for (marker, hollow, what), pts in marks.items():
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker, ls="none", color=color, ms=7,
                     mfc="white" if hollow else color, label=f"{loss}: {what}")
@@ -157,7 +157,8 @@ def fig_threshold(study: dict, path: Path, kind: str | None = None) -> Path | No
     ax.grid(True, which="major", alpha=0.3)
     ax.legend(fontsize=6)
     write_csv(path.with_suffix(".csv"), ["loss", "model", "params", "passes_to_50", "censored", "bound", "lo", "hi",
-                                         "slope", "slope_lo", "slope_hi", "one_pass_band_lo", "one_pass_band_hi"],
+                                         "slope", "slope_lo", "slope_hi", "one_pass_band_lo", "one_pass_band_hi",
+                                         "slope_bound_side", "slope_bound"],
               table)
     return save_figure(fig, path)
 

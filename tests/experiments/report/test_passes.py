@@ -106,6 +106,9 @@ def test_a_size_that_never_reaches_half_is_a_lower_bound_with_no_number_beyond_i
     csv = (tmp_path / "figures" / "passes_to_threshold.csv").read_text().splitlines()
     assert csv[0].startswith("loss,model,params,passes_to_50,censored,bound,lo,hi")
     assert csv[1].startswith(f"standard,flat,100000.0,,above,{PASSES},inf,inf")
+    assert csv[0].endswith(",slope_bound_side,slope_bound")
+    side, value = csv[1].split(",")[-2:]
+    assert side == "upper" and float(value) == pytest.approx(at_most)
 
 
 def test_a_bounded_band_is_printed_as_a_labelled_extrapolation(tmp_path):
