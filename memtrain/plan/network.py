@@ -394,8 +394,10 @@ def measure_collectives(rank: int, world: int, gpus_per_node: int, sizes_mb=(0.2
     was, parallel.LEDGER.enabled = parallel.LEDGER.enabled, False  # not a training step
     curves: dict = {}
     summary: dict = {}
+    own = grids is None  # grids built here are released here; a caller's stay its own
+    grids = probe_grids(rank, world) if own else grids
     try:
-        for p, grid in (grids or probe_grids(rank, world)).items():
+        for p, grid in grids.items():
             place = "intra" if p <= gpus_per_node else "inter"
             large = {max(p, int(mb * 2**20) // 4 // p * p) for mb in sizes_mb}  # fp32 values, divisible by p
             counts = sorted(large | {max(p, b // 4 // p * p) for b in SMALL_MESSAGES})
@@ -427,4 +429,7 @@ def measure_collectives(rank: int, world: int, gpus_per_node: int, sizes_mb=(0.2
                 summary.setdefault(op, {}).setdefault(place, {})[str(p)] = [1 / slope / GB, latency * 1e6]
     finally:
         parallel.LEDGER.enabled = was
+        if own:
+            for grid in grids.values():
+                grid.release_groups()
     return {"collective_curves": curves, "collectives": summary}
