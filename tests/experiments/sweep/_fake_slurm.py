@@ -27,7 +27,9 @@ SBATCH = '''
     (state / f"{job}.sbatch").write_text(text)
     out = d["output"].strip("'").replace("%j", job)
     err = d.get("error", d["output"]).strip("'").replace("%j", job)
-    run = f"bash {script} >> {out} 2>> {err}; [ $? = 0 ] && s=COMPLETED || s=FAILED; echo $s > {state}/{job}.state"
+    # the copy, as a cluster's sbatch runs: submitit deletes its submission file once sbatch has returned
+    run = (f"bash {state}/{job}.sbatch >> {out} 2>> {err}; [ $? = 0 ] && s=COMPLETED || s=FAILED; "
+           f"echo $s > {state}/{job}.state")
     subprocess.Popen(["bash", "-c", run], env=env, start_new_session=True, stdin=subprocess.DEVNULL,
                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     print(f"Submitted batch job {job}")
