@@ -19,9 +19,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from . import comm
+from . import comm, gemm_tuning
 from .grid import Grid
-from .linear import FeaturesToRows, MatmulFn, RowsToFeatures, ShardedWeight
+from .linear import FeaturesToRows, MatmulFn, RowsToFeatures, ShardedWeight, whole_linear
 from .sharding import BlockLayout, tag
 
 IGNORE_INDEX = -100
@@ -72,12 +72,12 @@ class Embedding(ShardedWeight):
 
     def __init__(self, num_embeddings: int, embedding_dim: int, *, padding_idx: int | None = None,
                  mode: str = "easy", grid: Grid | None = None, init_std: float = 0.02, seed: int = 0,
-                 name: str = "embedding", device=None, dtype=None, cache_weights: bool = False):
+                 name: str = "embedding", device=None, dtype=None):
         super().__init__()
         self.num_embeddings, self.embedding_dim, self.padding_idx = num_embeddings, embedding_dim, padding_idx
         layout = BlockLayout(num_embeddings, embedding_dim, row_axis="y", col_axis="x")
         self._init_weight(layout, in_axis="y", out_axis="x", mode=mode, grid=grid, init_std=init_std, seed=seed,
-                          name=name, device=device, dtype=dtype, cache_weights=cache_weights)
+                          name=name, device=device, dtype=dtype)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         lead = ids.shape
@@ -178,7 +178,7 @@ class LMHead(ShardedWeight):
 
     def __init__(self, hidden: int, vocab: int, *, valid: int | None = None, tie_to: Embedding | None = None,
                  mode: str = "easy", grid: Grid | None = None, init_std: float = 0.02, seed: int = 0,
-                 name: str = "lm_head", device=None, dtype=None, cache_weights: bool = False):
+                 name: str = "lm_head", device=None, dtype=None):
         super().__init__()
         self.hidden, self.vocab, self.valid = hidden, vocab, vocab if valid is None else valid
         layout = BlockLayout(vocab, hidden, row_axis="y", col_axis="x")
@@ -186,18 +186,21 @@ class LMHead(ShardedWeight):
             if (tie_to.num_embeddings, tie_to.embedding_dim) != (vocab, hidden) or tie_to.mode != mode:
                 raise ValueError(f"{name}: cannot tie to {tie_to.name}: shapes or modes differ")
             self.grid, self.layout, self.in_axis, self.out_axis = tie_to.grid, layout, "x", "y"
-            self.mode, self.name, self.cache_weights = mode, name, cache_weights
+            self.mode, self.name = mode, name
             self.weight = tie_to.weight
         else:
             self._init_weight(layout, in_axis="x", out_axis="y", mode=mode, grid=grid, init_std=init_std,
-                              seed=seed, name=name, device=device, dtype=dtype, cache_weights=cache_weights)
+                              seed=seed, name=name, device=device, dtype=dtype)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Vocabulary-sharded logits [plane rows, V/y]; in easy mode rows are this X-column's plane rows."""
         h = hidden.reshape(-1, hidden.shape[-1])
-        if self.mode == "easy":
-            h = FeaturesToRows.apply(h, self.grid, self.in_axis)
-        logits = MatmulFn.apply(h, self.weight, self)
+        if self.whole and not gemm_tuning.active(h.device):
+            logits = whole_linear(h, self.weight.view(self.vocab, self.hidden))
+        else:
+            if self.mode == "easy":
+                h = FeaturesToRows.apply(h, self.grid, self.in_axis)
+            logits = MatmulFn.apply(h, self.weight, self)
         if self.valid < self.vocab:
             n = logits.shape[-1]
             start = self.grid.coord(self.out_axis) * n

@@ -256,10 +256,16 @@ def _agree(a: torch.Tensor, b: torch.Tensor, key: str, grid: Grid) -> str:
     return names[choice]
 
 
+def active(device: torch.device) -> bool:
+    """Whether products on `device` are tuned now (tune_matmul's setting, else DEFAULT_ON); never on meta, the
+    planner's dry run, where there is nothing to time."""
+    on = _S.enabled if _S.enabled is not None else DEFAULT_ON.get(device.type, False)
+    return on and device.type != "meta"
+
+
 def matmul(a: torch.Tensor, b: torch.Tensor, gemm: str, grid: Grid) -> torch.Tensor:
     """a @ b in the layout agreed for it (a contiguous result either way): the local GEMM of a sharded Linear."""
-    on = _S.enabled if _S.enabled is not None else DEFAULT_ON.get(a.device.type, False)
-    if not on or a.device.type == "meta":  # meta: the planner's dry run, nothing to time
+    if not active(a.device):
         return a @ b
     key = _key(a, b, gemm)
     name = _S.agreed.get(key) or _agree(a, b, key, grid)

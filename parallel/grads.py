@@ -11,7 +11,6 @@ same sums from all-reduces started during backward, as gradients become final.
 
 from __future__ import annotations
 
-import math
 from collections import defaultdict
 from contextlib import contextmanager
 
@@ -101,12 +100,16 @@ def grad_norm(model_or_params, grid: Grid) -> torch.Tensor:
 
 @torch.no_grad()
 def clip_grad_norm_(model_or_params, max_norm: float, grid: Grid) -> torch.Tensor:
-    """Scale gradients so their global norm is at most max_norm; returns the norm before clipping."""
+    """Scale gradients so their global norm is at most max_norm; returns the norm before clipping.
+
+    As torch's clip_grad_norm_, the coefficient stays on the device and every gradient is multiplied by it, by
+    exactly 1.0 when nothing is clipped: no host round trip (on a GPU the host goes on launching the optimizer
+    while backward still runs) and one multi-tensor call. A NaN norm clips nothing; an infinite one zeroes the
+    gradients."""
     params = unique_parameters(model_or_params)
     norm = grad_norm(params, grid)
-    coef = max_norm / (float(norm) + 1e-6)
-    if coef < 1.0 and math.isfinite(coef):
-        for p in params:
-            if p.grad is not None:
-                p.grad.mul_(coef)
+    grads = [p.grad for p in params if p.grad is not None]
+    coef = max_norm / (norm + 1e-6)
+    if grads:
+        torch._foreach_mul_(grads, torch.where(coef < 1.0, coef, 1.0))
     return norm.float()

@@ -23,11 +23,22 @@ or B is a reduce-scatter (half an all-reduce's traffic).
 
 The three local products (x W^T, dy W, dy^T x) go through gemm_tuning.matmul: `a @ b` as written here
 unless parallel.tune_matmul picks another memory layout for the shape, the same one on every rank.
+
+Backward needs the forward's block again. With z > 1 it is gathered again (AxoNN's choice: a gathered block is
+never kept between the passes); with z = 1 the block is this rank's shard, or its bf16 cast under autocast,
+and that copy is kept for backward, as torch's autocast keeps the cast weight of its own linear.
+Without tensor parallelism (x = y = z = 1: one device, or data parallelism alone) and with GEMM tuning off, a
+layer (and the LM head's product) is torch's own F.linear on its weight viewed [out, in]: the same products,
+bit for bit, without the engine's per-call work in Python, which is what a launch-bound single-GPU step spent
+beyond a plain PyTorch loop. (The embedding and the loss keep the engine's code there: torch's own round
+otherwise, and a run resumed on another grid drifted 2x further from an uninterrupted one, tests/memtrain/
+training/test_run_dir.py.)
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from . import comm, gemm_tuning, overlap
@@ -49,12 +60,12 @@ class ShardedWeight(nn.Module):
     layout: BlockLayout
 
     def _init_weight(self, layout: BlockLayout, *, in_axis: str, out_axis: str, mode: str, grid: Grid | None,
-                     init_std: float, seed: int, name: str, device, dtype, cache_weights: bool) -> None:
+                     init_std: float, seed: int, name: str, device, dtype) -> None:
         if mode not in MODES:
             raise ValueError(f"unknown mode {mode!r}: use 'easy' or 'sharded'")
         self.grid = grid or current()
         self.layout, self.in_axis, self.out_axis, self.mode = layout, in_axis, out_axis, mode
-        self.name, self.cache_weights = name, cache_weights
+        self.name = name
         layout.check(self.grid, name)
         if torch.device(device or "cpu").type == "meta":
             shard = torch.empty(layout.shard_numel(self.grid), device="meta", dtype=dtype or torch.float32)
@@ -62,6 +73,12 @@ class ShardedWeight(nn.Module):
             shard = layout.seeded_normal_shard(self.grid, init_std, seed, name, dtype=dtype or torch.float32,
                                                device=device)
         self.weight = tag(nn.Parameter(shard), ("x", "y", "z"), ("data",))
+
+    @property
+    def whole(self) -> bool:
+        """No tensor parallelism (x = y = z = 1): this rank's shard is the whole matrix, and the layer runs as
+        torch's own op on it (module docstring)."""
+        return self.grid.tensor_parallel_size == 1
 
     @property
     def block_shape(self) -> tuple[int, int]:
@@ -90,6 +107,8 @@ class ShardedWeight(nn.Module):
     def weight_for(self, phase: str, compute: torch.dtype | None = None) -> torch.Tensor:
         """The gathered block for a `phase` ('fwd'/'bwd') computing in `compute`, in `gather_dtype(compute)`."""
         dtype = self.gather_dtype(compute)
+        if self.grid.z == 1:  # nothing to gather, so nothing to prefetch
+            return self.view_gathered(self._local_shard(dtype))
         st = overlap.state()
         if st is not None and st.prefetcher is not None:
             return st.prefetcher.take(self, phase, dtype)
@@ -137,6 +156,13 @@ class ShardedWeight(nn.Module):
         self.weight.copy_(self.layout.shard_of(full.to(self.weight.dtype), self.grid))
 
 
+def whole_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x W^T by F.linear, with MatmulFn's dtype rule outside autocast: the weight cast to the input's dtype."""
+    if x.dtype != weight.dtype and not torch.is_autocast_enabled(x.device.type):
+        weight = weight.to(x.dtype)
+    return F.linear(x, weight)
+
+
 class MatmulFn(torch.autograd.Function):
     """y = x W^T over the layer's block (gathered over Z), reduced over its in-feature axis; see the module
     docstring for the collectives of each direction."""
@@ -150,7 +176,7 @@ class MatmulFn(torch.autograd.Function):
         w = layer.weight_for("fwd", dtype).to(dtype)
         y = layer.reduce_out(gemm_tuning.matmul(x, w.t(), "fwd", layer.grid))
         ctx.layer = layer
-        ctx.save_for_backward(x, w if layer.cache_weights else None)
+        ctx.save_for_backward(x, w if layer.grid.z == 1 else None)  # z > 1: gathered again (module docstring)
         return y
 
     @staticmethod
@@ -229,13 +255,13 @@ class Linear(ShardedWeight):
 
     def __init__(self, in_features: int, out_features: int, *, bias: bool = True, transpose: bool = False,
                  mode: str = "easy", grid: Grid | None = None, init_std: float = 0.02, seed: int = 0,
-                 name: str = "linear", device=None, dtype=None, cache_weights: bool = False):
+                 name: str = "linear", device=None, dtype=None):
         super().__init__()
         in_axis, out_axis = ("y", "x") if transpose else ("x", "y")
         self.in_features, self.out_features, self.transpose = in_features, out_features, transpose
         layout = BlockLayout(out_features, in_features, row_axis=out_axis, col_axis=in_axis)
         self._init_weight(layout, in_axis=in_axis, out_axis=out_axis, mode=mode, grid=grid, init_std=init_std,
-                          seed=seed, name=name, device=device, dtype=dtype, cache_weights=cache_weights)
+                          seed=seed, name=name, device=device, dtype=dtype)
         if bias:
             nb = out_features // self.grid.size(out_axis)
             b = torch.zeros(nb, device=device, dtype=dtype or torch.float32)
@@ -256,6 +282,9 @@ class Linear(ShardedWeight):
                 f"{self.name}: input has {x.shape[-1]} features, expected {self.local_in_features} "
                 f"({self.mode} mode, in_features={self.in_features}, {self.in_axis}={self.grid.size(self.in_axis)})"
             )
+        if self.whole and not gemm_tuning.active(x.device):  # the bias added apart, as on a sharded grid
+            y = whole_linear(x, self.weight.view(self.out_features, self.in_features))
+            return y if self.bias is None else y + self.bias.to(y.dtype)
         lead = x.shape[:-1]
         x2 = x.reshape(-1, x.shape[-1])
         if self.mode == "easy":

@@ -77,9 +77,12 @@ BACKWARD_SHARE = 2 / 3
 
 # Kernels of one forward + backward, counted with torch's dispatcher (views excluded) at one rank on the tiny
 # llama, gpt2 and neox models.
-NORM_KERNELS = {("sharded", 1): 22, ("sharded", 2): 31, ("easy", 1): 21, ("easy", 2): 3}
-"""(mode, statistics) -> kernels of a norm: the engine's RMSNorm (1) or LayerNorm (2) in sharded mode,
+NORM_KERNELS = {("sharded", 1): 19, ("sharded", 2): 26, ("easy", 1): 21, ("easy", 2): 3}
+"""(mode, statistics) -> kernels of a norm: the engine's RMSNorm (1) or LayerNorm (2) in sharded mode at x = 1,
 transformers' own in easy mode (Llama's RMSNorm as separate ops, torch's fused layer_norm)."""
+SPLIT_NORM_KERNELS = {1: 5, 2: 9}
+"""statistics -> a sharded-mode norm's further kernels over x > 1: each statistic a sum and a division where
+x = 1 takes torch's mean, and its all-reduce's clones of the input, forward and backward."""
 BIAS_KERNELS = 3
 """A bias: its add, and in backward the sum over rows and the gradient's accumulation."""
 ACTIVATION_KERNELS = {True: 6, False: 3}
@@ -158,8 +161,8 @@ def _relayouts(grid: Grid, m: Matrix, mode: str) -> tuple[int, int]:
 
 
 def _norm_kernels(n: Norm, grid: Grid, mode: str) -> int:
-    """A norm's kernels; sharded over x > 1 each statistic's all-reduce clones its input, forward and backward."""
-    return NORM_KERNELS[(mode, n.stats)] + (2 * n.stats if mode == "sharded" and grid.x > 1 else 0)
+    """A norm's kernels (NORM_KERNELS, SPLIT_NORM_KERNELS)."""
+    return NORM_KERNELS[(mode, n.stats)] + (SPLIT_NORM_KERNELS[n.stats] if mode == "sharded" and grid.x > 1 else 0)
 
 
 def kernel_ops(shape: Shape, grid: Grid, mode: str, n_micro: int = 1, checkpointing: bool = False) -> float:

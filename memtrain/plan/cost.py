@@ -354,7 +354,9 @@ def activation_bytes(shape: Shape, grid: Grid, mode: str, tokens: int, *, precis
     rotary, attention output (a fused kernel: no S x S scores), the MLP hidden tensors; then the loss's fp32
     softmax over this rank's vocabulary slice. Easy mode holds HF's layers at full width, and on a grid with
     x*y > 1 each engine Linear saves its own plane rows (|y| x its input). With checkpointing a block keeps
-    only its input, and one block's tensors live again while it is recomputed. Allocator slack and
+    only its input, and one block's tensors live again while it is recomputed. With z = 1 under bf16 autocast
+    over wider parameters, each matmul weight's bf16 copy is kept for backward too (parallel/linear.py), a
+    block's only while the block's tensors are. Allocator slack and
     temporaries are not counted. Against autograd's saved tensors on one process at 512 tokens: +8% for
     ladder-10m/30m, -4%/+5% for pythia-70m, -25% for gpt2 (its attention keeps the S x S scores).
     """
@@ -369,8 +371,14 @@ def activation_bytes(shape: Shape, grid: Grid, mode: str, tokens: int, *, precis
     head = tokens * vocab_rows(shape, grid) // grid.y * FP32  # the loss keeps its fp32 softmax
     if mode == "easy":
         head *= grid.y  # easy mode's loss runs on the |y| x rows of this rank's plane column
-    if checkpointing:
-        blocks = tokens * h * pb * shape.layers + tokens * per_token
+    if grid.z == 1 and cb < pb:
+        per_block = sum(m.rows // grid.size(b) * (m.cols // grid.size(a)) * cb
+                        for m in shape.block if isinstance(m, Matrix) for a, b in [feature_axes(m, mode)])
+        head += vocab_rows(shape, grid) // grid.y * (shape.hidden // grid.x) * cb
     else:
-        blocks = tokens * per_token * shape.layers
+        per_block = 0
+    if checkpointing:
+        blocks = tokens * h * pb * shape.layers + tokens * per_token + per_block
+    else:
+        blocks = (tokens * per_token + per_block) * shape.layers
     return blocks + tokens * h * pb + head

@@ -116,13 +116,15 @@ def train_step(plm, grid: parallel.Grid, opt, input_ids: torch.Tensor, labels: t
     opt.zero_grad(set_to_none=True)
     # On the device: NCCL reduces device tensors only, and a host copy per micro-batch would wait for its backward.
     totals = torch.zeros(len(LossSums._fields), dtype=torch.float64, device=device)
-    sync = parallel.grad_sync(plm, grid) if grad_sync == "overlap" else None
+    alone = grid.world_size == 1  # no gradient to sum with anyone's
+    sync = parallel.grad_sync(plm, grid) if grad_sync == "overlap" and not alone else None
     offload = isinstance(opt, OffloadAdamW)
     with sync or nullcontext():  # on exit every gradient is summed over its reduce axes
         for i in range(0, ids.shape[0], micro_batch):
             sl = slice(i, i + micro_batch)
             accumulate = parallel.no_sync() if i + micro_batch < ids.shape[0] else nullcontext()
-            ov = parallel.overlap(plm) if overlap else nullcontext()
+            tensor_parallel = overlap and grid.tensor_parallel_size > 1  # what OAR, ORS and OAG overlap
+            ov = parallel.overlap(plm) if tensor_parallel else nullcontext()
             ac = torch.autocast(device.type, dtype=amp) if amp else nullcontext()
             with accumulate, ov:
                 with ac:
@@ -133,7 +135,7 @@ def train_step(plm, grid: parallel.Grid, opt, input_ids: torch.Tensor, labels: t
             totals += torch.stack(s).detach().double()
         if sync is not None and offload:
             opt.stream(sync, update=grad_clip <= 0)
-    if sync is None:
+    if sync is None and not alone:
         parallel.sync_gradients(plm, grid)
     if offload:
         norm = opt.finish(plm, grid, grad_clip)

@@ -65,3 +65,12 @@ def test_a_nan_gradient_is_not_spread_by_clipping(grid):
     norm = parallel.clip_grad_norm_(params, 1.0, grid)
     assert math.isnan(float(norm))
     assert torch.equal(params[1].grad, finite)  # a NaN coefficient would have made every gradient NaN
+
+
+def test_an_infinite_norm_clips_every_finite_gradient_to_zero(grid):
+    """max_norm / (inf + 1e-6) = 0 < 1: the coefficient clips; as before it stayed on the device."""
+    params = _params([torch.float32, torch.float32])
+    params[0].grad[0, 0] = float("inf")
+    norm = parallel.clip_grad_norm_(params, 1.0, grid)
+    assert math.isinf(float(norm))
+    assert torch.equal(params[1].grad, torch.zeros_like(params[1].grad))
