@@ -76,8 +76,8 @@ class ShardedWeight(nn.Module):
 
     @property
     def whole(self) -> bool:
-        """No tensor parallelism (x = y = z = 1): this rank's shard is the whole matrix, and the layer runs as
-        torch's own op on it (module docstring)."""
+        """No tensor parallelism (x = y = z = 1): this rank's shard is the whole matrix (a Linear's and the LM
+        head's product are then F.linear on it, module docstring)."""
         return self.grid.tensor_parallel_size == 1
 
     @property
