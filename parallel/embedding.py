@@ -17,6 +17,7 @@ so they take exactly zero probability and the loss equals the unpadded model's.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from . import comm, gemm_tuning
@@ -80,6 +81,8 @@ class Embedding(ShardedWeight):
                           name=name, device=device, dtype=dtype)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.whole:  # torch's lookup: on a CPU its backward adds each row's gradients in _EmbedFn's order
+            return F.embedding(ids, self.weight.view(self.num_embeddings, self.embedding_dim), self.padding_idx)
         lead = ids.shape
         flat = ids.reshape(-1)
         if self.mode == "easy":

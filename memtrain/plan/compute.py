@@ -93,9 +93,12 @@ ATTENTION_KERNELS = 11
 """Around SDPA: q, k and v to heads, the output back to rows (a copy), and their gradients."""
 ROTARY_KERNELS = 16
 """Rotary embedding of q and k (products with cos and sin, rotate_half's negation and concatenation), and backward."""
-END_KERNELS = 80
-"""Per micro-batch outside the blocks and the final norm: the embedding, rotary's tables, the LM head's loss and
+END_KERNELS = 67
+"""Per micro-batch outside the blocks, the final norm and the embedding: rotary's tables, the LM head's loss and
 its sums."""
+EMBEDDING_KERNELS = {False: 13, True: 2}
+"""Whether the grid has no tensor parallelism -> the embedding's kernels: the engine's lookup, or torch's
+(parallel/embedding.py)."""
 
 
 @dataclass
@@ -181,7 +184,7 @@ def kernel_ops(shape: Shape, grid: Grid, mode: str, n_micro: int = 1, checkpoint
     block *= 1 + (1 - BACKWARD_SHARE) * checkpointing
     params = cost.parameters(shape, grid, mode)
     synced = sum(1 for _, axes in params if grid.size(axes) > 1)
-    ends = _norm_kernels(shape.final_norm, grid, mode) + END_KERNELS
+    ends = _norm_kernels(shape.final_norm, grid, mode) + END_KERNELS + EMBEDDING_KERNELS[grid.tensor_parallel_size == 1]
     return n_micro * (shape.layers * block + ends) + synced + (n_micro - 1) * len(params)
 
 

@@ -2,7 +2,8 @@
 (parallel/linear.py's module docstring): bitwise the engine's own path, which the same layer takes with GEMM tuning
 on (forced to the `given` layout, the untuned call itself). One process: the engine path's collectives are over
 groups of one. Bitwise, no tolerance: both paths make the same casts and call the same matmul kernels, and the
-bias is added apart on both, as a sharded grid adds it after its reduction."""
+bias is added apart on both, as a sharded grid adds it after its reduction. The embedding there is F.embedding,
+whose CPU backward adds each row's gradients in the order the engine's index_add_ does."""
 
 from contextlib import contextmanager, nullcontext
 
@@ -10,7 +11,7 @@ import pytest
 import torch
 
 import parallel
-from parallel.embedding import LMHead
+from parallel.embedding import Embedding, LMHead
 from parallel.linear import Linear
 
 GRID = parallel.Grid(1, 1, 1, 1, rank=0)
@@ -85,3 +86,27 @@ def test_at_z_1_backward_reuses_the_forwards_cast_weight():
     saved = matmul.saved_tensors
     assert len(saved) == 2 and saved[1].dtype == torch.bfloat16
     assert torch.equal(saved[1], layer.weight.detach().view(96, 64).bfloat16())
+
+
+@pytest.mark.parametrize("padding_idx", [None, 5])
+def test_embedding_is_bitwise_the_engine_lookup(monkeypatch, padding_idx):
+    emb = Embedding(128, 32, padding_idx=padding_idx, mode="sharded", grid=GRID, seed=6)
+    gen = torch.Generator().manual_seed(7)
+    ids = torch.randint(0, 40, (4, 64), generator=gen)  # many repeats: each row's gradient is a long sum
+    ids[0, :3] = 5
+    g = torch.randn(4, 64, 32, generator=gen)
+
+    def run():
+        emb.zero_grad()
+        out = emb(ids)
+        out.backward(g)
+        engine = any("EmbedFn" in node.name() for node in _graph(out.grad_fn))
+        return out.detach(), emb.weight.grad.clone(), engine
+
+    out, grad, through_engine = run()
+    monkeypatch.setattr(Embedding, "whole", property(lambda self: False))
+    engine_out, engine_grad, through_engine_too = run()
+    assert not through_engine and through_engine_too
+    assert torch.equal(out, engine_out) and torch.equal(grad, engine_grad)
+    if padding_idx is not None:
+        assert not grad.view(128, 32)[padding_idx].any()  # the padding row learns nothing from the lookup
