@@ -30,9 +30,9 @@ and that copy is kept for backward, as torch's autocast keeps the cast weight of
 Without tensor parallelism (x = y = z = 1: one device, or data parallelism alone) and with GEMM tuning off, a
 layer (and the LM head's product) is torch's own F.linear on its weight viewed [out, in]: the same products,
 bit for bit, without the engine's per-call work in Python, which is what a launch-bound single-GPU step spent
-beyond a plain PyTorch loop. (The embedding and the loss keep the engine's code there: torch's own round
-otherwise, and a run resumed on another grid drifted 2x further from an uninterrupted one, tests/memtrain/
-training/test_run_dir.py.)
+beyond a plain PyTorch loop. (The embedding there is F.embedding, bitwise the engine's lookup on a CPU; the loss
+keeps the engine's code: torch's own rounds otherwise, and a run resumed on another grid drifted 2x further from
+an uninterrupted one, tests/memtrain/training/test_run_dir.py.)
 """
 
 from __future__ import annotations

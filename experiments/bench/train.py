@@ -50,15 +50,16 @@ defaults: llama-3.2-1b, bf16, batch 8 x 1024, 10 steps after 2): memtrain 40,236
 ratio 0.874, paired 0.866 [0.64, 0.89]: BELOW the 0.95 target; MFU 24.0% vs 27.4% of the 989 TFLOP/s datasheet
 peak; peak memory 43,992 MiB vs 45,863 (both models resident), the step's own part 13,973 vs 15,845 MiB. That
 step was not profiled on the GPU. A CPU stand-in for a launch-bound step, where a step's time is the host's
-dispatch work (`--precision bf16 --batch 1 --seq 128 --threads 1`), gave 0.843 at ladder-1m and 0.897 at
+dispatch work (`--precision bf16 --batch 1 --seq 128 --threads 1`), gave 0.841 at ladder-1m and 0.907 at
 ladder-10m (paired, 60 steps), as on the H100. The host's extra work was the engine's per Linear (its autograd
-function, a prefetcher lookup and the weight cast again in backward), a gradient-sync lookup on a grid of one rank,
-and clipping's host round trip and per-tensor scaling. Since 2026-11-27 a Linear without tensor parallelism is
-F.linear itself (parallel/linear.py), backward at z = 1 reuses the forward's cast weight and clipping stays on the
-device: 0.896 and 0.945 in the same session (AMD EPYC, 2 cores, avx512_bf16), training bit for bit as before
-(the same step-2 losses). What remains: the engine's vocabulary-parallel loss and embedding (torch's own round
-otherwise; parallel/linear.py says why that matters) and grad_norm's per-tensor fp32 sums (torch's fp32 foreach
-norm put a sum of squares 14x further from float64's). Unmeasured on a GPU since.
+function, a prefetcher lookup and the weight cast again in backward) and embedding lookup, a gradient-sync lookup
+on a grid of one rank, and clipping's host round trip and per-tensor scaling. Since 2026-11-27, without tensor
+parallelism a Linear is F.linear itself and the embedding F.embedding (parallel/linear.py), backward at z = 1
+reuses the forward's cast weight and clipping stays on the device: 0.905 and 0.947 in the same session (AMD EPYC,
+2 cores, avx512_bf16), training bit for bit as before (the same step-2 losses); the defaults there read 1.011
+(ladder-10m, bf16). What remains: the engine's vocabulary-parallel loss (torch's own rounds otherwise;
+parallel/linear.py says why that matters) and grad_norm's per-tensor fp32 sums (torch's fp32 foreach norm put a
+sum of squares 14x further from float64's). Unmeasured on a GPU since.
 
 On a shared, loaded machine absolute figures drift; the paired ratio is the figure to read. With more
 runnable processes than cores, multi-threaded steps stall at OpenMP barriers whenever one thread is
