@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import comm, gemm_tuning
+from . import comm
 from .grid import Grid
 from .linear import FeaturesToRows, MatmulFn, RowsToFeatures, ShardedWeight, whole_linear
 from .sharding import BlockLayout, tag
@@ -198,7 +198,7 @@ class LMHead(ShardedWeight):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Vocabulary-sharded logits [plane rows, V/y]; in easy mode rows are this X-column's plane rows."""
         h = hidden.reshape(-1, hidden.shape[-1])
-        if self.whole and not gemm_tuning.active(h.device):
+        if self.torch_product(h.device):
             logits = whole_linear(h, self.weight.view(self.vocab, self.hidden))
         else:
             if self.mode == "easy":

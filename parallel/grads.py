@@ -90,7 +90,8 @@ def grad_norm(model_or_params, grid: Grid) -> torch.Tensor:
     counted = [p.grad for p in params
                if all(coords[a] == 0 for a in ("x", "y", "z", "data") if a not in spec_of(p).shard_axes)]
     # One fp32 (or wider) cascade sum per tensor, added in float64 on the device: within 1e-8 of squaring in
-    # float64, 6x faster on a CPU, and no host round trip per tensor on a GPU (one per step, in the caller).
+    # float64, 6x faster on a CPU, and no host round trip per tensor on a GPU (one per step, where the trainer
+    # reads the norm).
     squares = [(g if g.dtype in (torch.float32, torch.float64) else g.float()).square().sum().to(dev)
                for g in counted]
     total = torch.stack(squares).double().sum() if squares else torch.zeros((), dtype=torch.float64, device=dev)

@@ -80,6 +80,11 @@ class ShardedWeight(nn.Module):
         head's product are then F.linear on it, module docstring)."""
         return self.grid.tensor_parallel_size == 1
 
+    def torch_product(self, device: torch.device) -> bool:
+        """Whether this layer's product is F.linear on the whole matrix: no tensor parallelism and no GEMM tuning
+        (module docstring)."""
+        return self.whole and not gemm_tuning.active(device)
+
     @property
     def block_shape(self) -> tuple[int, int]:
         return self.layout.block_rows(self.grid), self.layout.block_cols(self.grid)
@@ -282,7 +287,7 @@ class Linear(ShardedWeight):
                 f"{self.name}: input has {x.shape[-1]} features, expected {self.local_in_features} "
                 f"({self.mode} mode, in_features={self.in_features}, {self.in_axis}={self.grid.size(self.in_axis)})"
             )
-        if self.whole and not gemm_tuning.active(x.device):  # the bias added apart, as on a sharded grid
+        if self.torch_product(x.device):  # the bias added apart, as on a sharded grid
             y = whole_linear(x, self.weight.view(self.out_features, self.in_features))
             return y if self.bias is None else y + self.bias.to(y.dtype)
         lead = x.shape[:-1]
