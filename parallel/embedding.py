@@ -121,10 +121,13 @@ class _VocabParallelCE(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, labels, grid, axis):
-        logits = logits.float()
+        if logits.dtype.itemsize > 4:
+            logits = logits.float()
         n_local = logits.shape[-1]
         start = grid.coord(axis) * n_local
-        m = logits.max(dim=-1).values
+        # Narrower logits are read as they are, with no [tokens, V] fp32 copy first: their max is one of them,
+        # exact in fp32, and `bf16 - fp32` computes in fp32 what the copy then the subtraction did, bit for bit.
+        m = logits.max(dim=-1).values.float()
         comm.all_reduce(m, grid, axis, op=torch.distributed.ReduceOp.MAX)
         shifted = logits - m.unsqueeze(-1)
         local = labels - start
@@ -145,7 +148,7 @@ class _VocabParallelCE(torch.autograd.Function):
     def backward(ctx, g):
         softmax, local, hit, valid = ctx.saved_tensors
         g = g * valid
-        grad = softmax * g.unsqueeze(-1)
+        grad = softmax.mul_(g.unsqueeze(-1))  # the saved softmax is used once: no second [tokens, V] buffer
         grad.scatter_add_(-1, local.unsqueeze(-1), -(g * hit).unsqueeze(-1))
         return grad, None, None, None
 

@@ -57,9 +57,12 @@ on a grid of one rank, and clipping's host round trip and per-tensor scaling. Si
 parallelism a Linear is F.linear itself and the embedding F.embedding (parallel/linear.py), backward at z = 1
 reuses the forward's cast weight and clipping stays on the device: 0.905 and 0.947 in the same session (AMD EPYC,
 2 cores, avx512_bf16), training bit for bit as before (the same step-2 losses); the defaults there read 1.011
-(ladder-10m, bf16). What remains: the engine's vocabulary-parallel loss (torch's own rounds otherwise;
-parallel/linear.py says why that matters) and grad_norm's per-tensor fp32 sums (torch's fp32 foreach norm put a
-sum of squares 14x further from float64's). Unmeasured on a GPU since.
+(ladder-10m, bf16). The engine's vocabulary-parallel loss stays (torch's own rounds otherwise; parallel/linear.py
+says why that matters), but since 2026-11-27 it reads bf16 logits without an fp32 copy of them and its backward
+scales the saved softmax in place, bit for bit as before: two [tokens, vocabulary] fp32 allocations fewer a step
+(3.9 GiB each at this bench's GPU defaults); the defaults at ladder-10m bf16 read 1.005 before, 1.026 and 1.019
+after (paired, 30 steps, one session, same CPU). What remains: grad_norm's per-tensor fp32 sums (torch's fp32 foreach norm put a sum
+of squares 14x further from float64's). Unmeasured on a GPU since.
 
 On a shared, loaded machine absolute figures drift; the paired ratio is the figure to read. With more
 runnable processes than cores, multi-threaded steps stall at OpenMP barriers whenever one thread is
