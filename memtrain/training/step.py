@@ -119,11 +119,11 @@ def train_step(plm, grid: parallel.Grid, opt, input_ids: torch.Tensor, labels: t
     alone = grid.world_size == 1  # no gradient to sum with anyone's
     sync = parallel.grad_sync(plm, grid) if grad_sync == "overlap" and not alone else None
     offload = isinstance(opt, OffloadAdamW)
+    tensor_parallel = overlap and grid.tensor_parallel_size > 1  # what OAR, ORS and OAG overlap
     with sync or nullcontext():  # on exit every gradient is summed over its reduce axes
         for i in range(0, ids.shape[0], micro_batch):
             sl = slice(i, i + micro_batch)
             accumulate = parallel.no_sync() if i + micro_batch < ids.shape[0] else nullcontext()
-            tensor_parallel = overlap and grid.tensor_parallel_size > 1  # what OAR, ORS and OAG overlap
             ov = parallel.overlap(plm) if tensor_parallel else nullcontext()
             ac = torch.autocast(device.type, dtype=amp) if amp else nullcontext()
             with accumulate, ov:
