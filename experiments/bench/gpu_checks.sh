@@ -8,15 +8,18 @@
 #   bench  experiments.bench.train --device cuda: memtrain's single-GPU step vs a plain PyTorch loop on llama-3.2-1b
 #          (bf16 autocast, fused AdamW, SDPA under document attention): MFU, paired ratio, peak memory, and one
 #          profiled step of each side (where memtrain's 13% went on the H100, 2026-11-24)
-#   train  `memtrain train` on llama-3.2-1b, bf16, 12 steps, three ways: as is, train.optimizer_offload=true and
-#          parallel.tune_matmul=true; per run the median step time and MFU after the first step, and peak memory
+#   compile the same with every transformer block torch.compile'd on both sides (train.compile; 4 warm-up steps
+#          hold the compilations): the route to the issue's 40% MFU that the eager step did not reach (24.0%)
+#   train  `memtrain train` on llama-3.2-1b, bf16, 12 steps, four ways: as is, train.optimizer_offload=true,
+#          parallel.tune_matmul=true and train.compile=true; per run the median step time and MFU after the first
+#          step (a compiled run's first two steps compile), and peak memory
 #   tests  the engine and training tests on a machine whose GPU is visible (W&B's tests need wandb: left out)
 #   demo   the main job (`python -m memtrain demo`, what `make TORCH=torch demo` runs once installed), timed
 #   parity the demo's width-384 standard points (3 seeds) on the GPU and on this machine's CPU, same corpus, each
 #          with its own cache (pretraining too): their one-exposure summaries side by side. On 2026-11-24 the GPU
 #          demo (Python 3.12.3's stdlib) gave negative one-exposure drops at every size, where CPU runs on other
 #          Pythons' stdlib (3.11.7, 3.12.1) gave positive ones: this tells the device from the corpus
-#   all    bench train tests (the default; demo takes a call of its own)
+#   all    bench compile train tests (the default; demo takes a call of its own)
 set -u
 out=${OUT:-gpu_out}
 mkdir -p "$out"
@@ -24,7 +27,7 @@ export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHO
 export MEMTRAIN_CACHE=${MEMTRAIN_CACHE:-/tmp/memtrain-cache}
 py=${PYTHON:-python3}
 stages=${*:-all}
-[ "$stages" = all ] && stages="bench train tests"
+[ "$stages" = all ] && stages="bench compile train tests"
 
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm --format=csv | tee "$out/gpu.txt"
 $py -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda,
@@ -52,16 +55,20 @@ for stage in $stages; do
     bench)
         $py -m experiments.bench.train --device cuda --json "$out/bench_train.json" --profile "$out/profile" 2>&1 |
             tee "$out/bench_train.log" ;;
+    compile)
+        $py -m experiments.bench.train --device cuda --compile --warmup 4 --json "$out/bench_compile.json" 2>&1 |
+            tee "$out/bench_compile.log" ;;
     train)
         mkdir -p /tmp/gpu_runs
         common=(--set model.name=llama-3.2-1b --set data.seq_len=1024 --set data.max_docs=600
                 --set train.batch_size=8 --set train.max_steps=12 --set train.warmup_steps=2
                 --set train.precision=bf16 --set eval.enabled=false --set wandb.mode=disabled)
         runs=()
-        for variant in plain offload tuned; do
+        for variant in plain offload tuned compiled; do
             extra=()
             [ $variant = offload ] && extra=(--set train.optimizer_offload=true)
             [ $variant = tuned ] && extra=(--set parallel.tune_matmul=true)
+            [ $variant = compiled ] && extra=(--set train.compile=true)
             # logs stay in /tmp unless a run fails: a call brings back at most 8 files
             $py -m memtrain train "${common[@]}" "${extra[@]}" --out "/tmp/gpu_runs/$variant" --force \
                 > "/tmp/gpu_runs/$variant.log" 2>&1 ||
@@ -87,6 +94,6 @@ for stage in $stages; do
             cp /tmp/parity/$device/report.md "$out/parity_$device.md"
             grep -m1 "One exposure" /tmp/parity/$device/report.md | cut -c1-330
         done ;;
-    *) echo "unknown stage $stage (bench, train, tests, demo, parity, all)"; exit 2 ;;
+    *) echo "unknown stage $stage (bench, compile, train, tests, demo, parity, all)"; exit 2 ;;
     esac
 done

@@ -2,7 +2,7 @@
 
     python -m experiments.bench.train [--device cpu|cuda] [--precision fp32|bf16] [--models ladder-10m,ladder-30m]
                                       [--steps 10] [--warmup 2] [--batch 8] [--seq 256] [--threads N] [--json out.json]
-                                      [--profile DIR]
+                                      [--profile DIR] [--compile]
 
 --device defaults to cuda when torch sees a GPU (memtrain's trainer then uses it: `--device cpu` is refused there;
 hide the GPU with CUDA_VISIBLE_DEVICES= instead). Defaults per device: on cpu fp32, ladder-10m and ladder-30m,
@@ -60,9 +60,17 @@ reuses the forward's cast weight and clipping stays on the device: 0.905 and 0.9
 (ladder-10m, bf16). The engine's vocabulary-parallel loss stays (torch's own rounds otherwise; parallel/linear.py
 says why that matters), but since 2026-11-27 it reads bf16 logits without an fp32 copy of them and its backward
 scales the saved softmax in place, bit for bit as before: two [tokens, vocabulary] fp32 allocations fewer a step
-(3.9 GiB each at this bench's GPU defaults); the defaults at ladder-10m bf16 read 1.005 before, 1.026 and 1.019
-after (paired, 30 steps, one session, same CPU). What remains: grad_norm's per-tensor fp32 sums (torch's fp32 foreach norm put a sum
-of squares 14x further from float64's). Unmeasured on a GPU since.
+(128 MiB each at this bench's GPU defaults: 8 x 1024 tokens x the stream's 4096-token vocabulary); the defaults at
+ladder-10m bf16 read 1.005 before, 1.026 and 1.019 after (paired, 30 steps, one session, same CPU). What remains:
+grad_norm's per-tensor fp32 sums (torch's fp32 foreach norm put a sum of squares 14x further from float64's).
+Unmeasured on a GPU since.
+
+--compile: train.compile on memtrain's side (ParallelLM.compile_blocks) and nn.Module.compile on the plain loop's
+blocks, the same regions; the warm-up steps then hold the compilations (the packed-document mask present or absent
+is a graph each). On the same CPU, ladder-10m, 20 steps (2026-11-27), memtrain's tok/s and the paired ratio, eager
+then compiled: bf16 4,613 (1.020) then 4,862 (1.045), a second pair 4,580 (1.022) then 4,679 (1.029); fp32 2,552
+(1.004) then 2,489 (1.011). A matmul-bound CPU step gains little; the step-2 losses stayed within 7e-6 of the plain
+loop's. Not run on a GPU yet.
 
 On a shared, loaded machine absolute figures drift; the paired ratio is the figure to read. With more
 runnable processes than cores, multi-threaded steps stall at OpenMP barriers whenever one thread is
@@ -122,6 +130,7 @@ def make_config(name: str, args, out_steps: int) -> RunConfig:
     cfg.train.batch_size = args.batch
     cfg.train.max_steps = out_steps
     cfg.train.precision = args.precision
+    cfg.train.compile = args.compile
     cfg.data.seq_len = args.seq
     cfg.data.max_docs = args.max_docs
     if args.corpus:
@@ -168,6 +177,11 @@ class PlainLoop:
         if unexpected or [k for k in missing if k not in tied]:
             raise RuntimeError(f"weights do not fit the plain model: missing {missing}, unexpected {unexpected}")
         self.model.train()
+        if t.compile:  # the blocks memtrain compiles (ParallelLM.compile_blocks), by nn.Module.compile
+            kinds = set(self.model._no_split_modules)
+            for m in self.model.modules():
+                if type(m).__name__ in kinds:
+                    m.compile()
         params = list(self.model.parameters())
         self.params = params
         decay = [p for p in params if p.dim() >= 2]
@@ -281,7 +295,7 @@ def run_model(name: str, args) -> dict:
 
     res = {
         "model": name, "params": params, "tokens_per_step": args.batch * args.seq,
-        "device": args.device, "precision": args.precision,
+        "device": args.device, "precision": args.precision, "compile": args.compile,
         "memtrain_tok_s": statistics.median(mt_tps), "plain_tok_s": statistics.median(pl_tps),
         "paired_ratio": statistics.median(paired),
         "paired_ratio_min": min(paired), "paired_ratio_max": max(paired),
@@ -309,7 +323,8 @@ def print_table(results: list[dict], args) -> None:
              else torch.cuda.get_device_name(torch.cuda.current_device()))
     peak_line = (f"matmul peak {peak.flops / 1e9:.1f} GFLOP/s" if args.device == "cpu"
                  else f"MFU peak {peak.flops / 1e12:.0f} TFLOP/s: {peak.source}")
-    print(f"\nbatch {args.batch} x seq {args.seq} = {args.batch * args.seq} tokens/step, {args.precision}, "
+    print(f"\nbatch {args.batch} x seq {args.seq} = {args.batch * args.seq} tokens/step, {args.precision}"
+          f"{', blocks compiled on both sides' if args.compile else ''}, "
           f"{where}, {args.steps} timed steps after {args.warmup} warm-up, "
           f"interleaved A B A B; {peak_line}; {machine()}")
     head = (f"{'model':<11}{'params':>7}{'memtrain tok/s':>15}{'plain tok/s':>12}{'ratio':>7}{'paired':>7}"
@@ -350,6 +365,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--corpus", default=None, help="memtrain data.corpus (default: memtrain's, stdlib)")
     ap.add_argument("--cache-dir", default=None, help="memtrain data cache (default: memtrain's)")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    ap.add_argument("--compile", action="store_true",
+                    help="torch.compile each transformer block on both sides (memtrain's train.compile; the plain "
+                         "loop's blocks by nn.Module.compile); the warm-up steps then hold the compilations")
     ap.add_argument("--verbose", action="store_true", help="print every step")
     ap.add_argument("--json", default=None, help="write the results to this file")
     ap.add_argument("--profile", default=None, metavar="DIR",

@@ -21,9 +21,11 @@ from memtrain.run_files import CHECKPOINTS, CONFIG, LOCK, OUTPUTS, RUN
 from memtrain.training import checkpoint
 
 RESUMABLE = ("train.max_steps", "train.epochs", "train.log_every", "train.checkpoint_every",
-             "train.checkpoint_every_min", "train.keep_checkpoints", "eval.*", "wandb.*", "parallel.*")
-"""Keys a resumed run may change: how long it goes on, what it evaluates and logs, and the grid (checkpoints
-hold full tensors and load on any grid)."""
+             "train.checkpoint_every_min", "train.keep_checkpoints", "train.compile", "train.activation_checkpointing",
+             "eval.*", "wandb.*", "parallel.*")
+"""Keys a resumed run may change: how long it goes on, what it evaluates and logs, and how a step computes what
+it computes: the grid (checkpoints hold full tensors and load on any grid), compiled blocks, recomputed
+activations."""
 
 _HELD: dict[Path, object] = {}
 

@@ -148,6 +148,8 @@ def train(cfg: RunConfig, out_dir: str | Path, *, resume: bool = False, force: b
         on_setup(stream, plm)
     if t.activation_checkpointing:
         plm.enable_activation_checkpointing()
+    if t.compile:
+        plm.compile_blocks()
     B = t.batch_size
     if B % grid.size(("z", "data")) or (plm.mode == "easy" and B % grid.world_size):
         raise ValueError(f"train.batch_size={B} does not split over the grid ({plm.mode} mode, "
