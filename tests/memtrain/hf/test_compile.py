@@ -105,6 +105,19 @@ def test_inference_runs_the_eager_blocks():
     assert _graphs() == graphs
 
 
+def test_every_block_shares_its_graphs():
+    """Sixteen blocks (llama-3.2-1b's count) compile two graphs, packed documents' mask and none: not one per
+    block, which past torch's recompile limit (8) would leave the later blocks silently eager."""
+    plm = parallelize(tiny("llama", "meta", num_hidden_layers=16), parallel.Grid(1, 1, 1, 1), "sharded", seed=3,
+                      device="cpu")
+    assert plm.compile_blocks() == 16
+    ids, labels, pos = (t[:MICRO] for t in _batch(0))
+    before = _graphs()
+    for p in (pos, None, pos, None):
+        plm.token_losses(ids, labels, p).sum().backward()
+    assert _graphs() - before == 2
+
+
 def _dp_worker(rank, world):
     grid = parallel.Grid(2, 1, 1, 1, rank=rank)
     grid.build_groups()
