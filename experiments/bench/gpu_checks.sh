@@ -9,7 +9,7 @@
 #          (bf16 autocast, fused AdamW, SDPA under document attention): MFU, paired ratio, peak memory, and one
 #          profiled step of each side (where memtrain's 13% went on the H100, 2026-11-24)
 #   compile the same with every transformer block torch.compile'd on both sides (train.compile; 4 warm-up steps
-#          hold the compilations): the route to the 40% MFU that the eager step did not reach (24.0%)
+#          hold the compilations): whether fused blocks move MFU towards the 40% (eager: 24.0%)
 #   train  `memtrain train` on llama-3.2-1b, bf16, 12 steps, four ways: as is, train.optimizer_offload=true,
 #          parallel.tune_matmul=true and train.compile=true; per run the median step time and MFU after the first
 #          step (a compiled run's first two steps compile), and peak memory

@@ -1,7 +1,7 @@
 """ParallelLM.compile_blocks (train.compile): torch.compile'd transformer blocks against the eager ones.
 
-Reference: the same model, seed and batches run eagerly, through the trainer's train_step (AdamW, clipping, two
-micro-batches, packed documents whose position_ids restart, so attention is block-diagonal).
+Reference: the same model, seed and batches run eagerly, through the trainer's train_step (AdamW, clipping,
+micro-batches of two rows, packed documents whose position_ids restart, so attention is block-diagonal).
 Tolerance: inductor fuses each block's elementwise work and reductions (RMSNorm's mean of squares, the rotary
 embedding, SiLU * up) into its own kernels with their own summation order, so results agree to rounding, not
 bitwise. Compared: the loss sums of STEPS steps, and the first step's gradients (later ones are not: AdamW
@@ -28,7 +28,7 @@ MICRO = 2  # rows per micro-batch on every grid: one shape, so the tests share t
 
 @pytest.fixture(autouse=True)
 def _fresh_compiler():
-    torch.compiler.reset()  # every test compiles from scratch: none reuses another's graphs
+    torch.compiler.reset()  # every test traces its own graphs (inductor's kernels stay cached on disk)
     yield
     torch.compiler.reset()
 
