@@ -9,7 +9,8 @@
 #          (bf16 autocast, fused AdamW, SDPA under document attention): MFU, paired ratio, peak memory, and one
 #          profiled step of each side (where memtrain's 13% went on the H100, 2026-11-24)
 #   compile the same with every transformer block torch.compile'd on both sides (train.compile; 4 warm-up steps
-#          hold the compilations): whether fused blocks move MFU towards the 40% (eager: 24.0%)
+#          hold the compilations) and one profiled step of each: whether fused blocks move MFU towards the issue's
+#          40% (eager: 24.0%)
 #   train  `memtrain train` on llama-3.2-1b, bf16, 12 steps, four ways: as is, train.optimizer_offload=true,
 #          parallel.tune_matmul=true and train.compile=true; per run the median step time and MFU after the first
 #          step (a compiled run's first two steps compile), and peak memory
@@ -56,7 +57,8 @@ for stage in $stages; do
         $py -m experiments.bench.train --device cuda --json "$out/bench_train.json" --profile "$out/profile" 2>&1 |
             tee "$out/bench_train.log" ;;
     compile)
-        $py -m experiments.bench.train --device cuda --compile --warmup 4 --json "$out/bench_compile.json" 2>&1 |
+        # no JSON (the log holds the table): `bench compile` in one call then brings back 8 files, the most a call can
+        $py -m experiments.bench.train --device cuda --compile --warmup 4 --profile "$out/profile_compiled" 2>&1 |
             tee "$out/bench_compile.log" ;;
     train)
         mkdir -p /tmp/gpu_runs
