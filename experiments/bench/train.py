@@ -94,6 +94,7 @@ import torch  # noqa: E402
 import parallel  # noqa: E402
 from experiments.bench.common import load_average, machine, paired_ratio, rel_diff, write_json  # noqa: E402
 from memtrain.config import RunConfig  # noqa: E402
+from memtrain.hf.parallelize import transformer_blocks  # noqa: E402
 from memtrain.models import build_model  # noqa: E402
 from memtrain.training import build_schedule, train  # noqa: E402
 from memtrain.training.perf import Peak, matmul_peak_flops, mfu_peak  # noqa: E402
@@ -178,10 +179,8 @@ class PlainLoop:
             raise RuntimeError(f"weights do not fit the plain model: missing {missing}, unexpected {unexpected}")
         self.model.train()
         if t.compile:  # the blocks memtrain compiles (ParallelLM.compile_blocks), by nn.Module.compile
-            kinds = set(self.model._no_split_modules)
-            for m in self.model.modules():
-                if type(m).__name__ in kinds:
-                    m.compile()
+            for block in transformer_blocks(self.model):
+                block.compile()
         params = list(self.model.parameters())
         self.params = params
         decay = [p for p in params if p.dim() >= 2]

@@ -147,8 +147,7 @@ class ParallelLM(nn.Module):
         if gemm_tuning.active(next(self.parameters()).device):
             raise ValueError("train.compile=true with parallel.tune_matmul=true: tuning times each GEMM in Python, "
                              "which torch.compile cannot trace; set one of them to false")
-        kinds = set(getattr(self.model, "_no_split_modules", None) or ())
-        blocks = [m for m in self.model.modules() if type(m).__name__ in kinds]
+        blocks = transformer_blocks(self.model)
         if not blocks:
             raise ValueError(f"train.compile=true but {type(self.model).__name__} names no transformer block class "
                              "(transformers' _no_split_modules): set train.compile=false")
@@ -219,6 +218,12 @@ class ParallelLM(nn.Module):
             if not rank0_only or self.grid.rank == 0:
                 out[key] = t
         return out
+
+
+def transformer_blocks(model: nn.Module) -> list[nn.Module]:
+    """A transformers model's blocks: its modules of the classes it names in `_no_split_modules`."""
+    kinds = set(getattr(model, "_no_split_modules", None) or ())
+    return [m for m in model.modules() if type(m).__name__ in kinds]
 
 
 def _compiled_in_training(forward):
