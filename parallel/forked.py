@@ -14,6 +14,7 @@ import multiprocessing as mp
 import os
 import pickle
 import queue
+import sys
 import tempfile
 import traceback
 
@@ -24,8 +25,19 @@ import torch._dynamo  # noqa: F401
 import torch.distributed as dist
 
 
+def _forget_compile_threads() -> None:
+    """A forked child inherits torch.compile's cached thread pool without its threads: a kernel compiled there would
+    wait forever for them (torch's own after-fork hook resets only its process pool). Measured: ranks forked after
+    a cold compile in the parent hung at their first compile."""
+    inductor = sys.modules.get("torch._inductor.async_compile")
+    pool = getattr(getattr(inductor, "AsyncCompile", None), "pool", None)
+    if hasattr(pool, "cache_clear"):
+        pool.cache_clear()
+
+
 def _child(rank, world_size, init_file, fn, args, q, backend, pg_timeout):
     try:
+        _forget_compile_threads()
         torch.set_num_threads(1)
         os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
         dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world_size,

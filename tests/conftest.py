@@ -15,10 +15,6 @@ and 0.7 ms under SCHED_BATCH; test_parallelize's training cases took 65 s agains
 the default policy, the one a user's processes run under: under SCHED_BATCH the planner's collective probes sped up
 far more than the steps they predict (python -m experiments.bench.planner: median ratio error 0.43 sharded and 0.33
 easy, against the 0.15 it holds under the default).
-
-torch.compile (train.compile's tests) compiles in the test process itself (TORCHINDUCTOR_COMPILE_THREADS=1), not
-in a pool of compile workers: a process whose pool has started forks ranks that hang (measured: the data-parallel
-test of tests/memtrain/hf/test_compile.py never finished after a compiling test had run in the same process).
 """
 
 import contextlib
@@ -26,7 +22,6 @@ import os
 
 
 def pytest_configure(config):
-    os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
     if hasattr(os, "sched_setscheduler"):  # Linux; no privilege is needed to leave SCHED_OTHER for SCHED_BATCH
         with contextlib.suppress(OSError):  # a sandbox that refuses it only makes the suite slower
             os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))

@@ -1,7 +1,9 @@
 """parallel.forked: ranks forked from the test process, or from a fork server on a machine with a GPU."""
 
+import math
 import os
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -29,3 +31,18 @@ def test_with_a_gpu_the_ranks_come_from_a_fork_server_and_run_autograd_after_the
     results = run_ranks(2, _sum_of_ranks_after_backward)
     assert [grad for grad, _ in results] == [4.0, 4.0]
     assert all(parent != os.getpid() for _, parent in results)
+
+
+def _compile_a_new_kernel(rank, world_size):
+    return float(torch.compile(lambda x: x.cos() * (rank + 2))(torch.ones(3)).sum())
+
+
+def test_ranks_compile_after_the_parent_compiled(monkeypatch, tmp_path):
+    """A parent whose torch.compile has started its compile threads forks ranks that compile kernels of their own
+    (an empty kernel cache makes both compile for real): without parallel.forked's reset they waited forever."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("TORCHINDUCTOR_COMPILE_THREADS", "2")
+    assert float(torch.compile(lambda x: x.sin() + 1)(torch.zeros(3)).sum()) == 3.0
+    results = run_ranks(2, _compile_a_new_kernel, timeout=60)
+    assert results == pytest.approx([6 * math.cos(1), 9 * math.cos(1)], rel=1e-6)
