@@ -132,8 +132,9 @@ class ParallelLM(nn.Module):
     def compile_blocks(self) -> int:
         """torch.compile each transformer block (the classes transformers names in `_no_split_modules`), as
         torchtitan does: the norms, rotary embedding, activation and residual adds of a block fuse into a few
-        kernels, and the blocks share one compiled graph. Only where a block's forward is traceable end to end:
-        no tensor parallelism (every Linear is then F.linear) and no GEMM tuning (which times kernels in Python).
+        kernels, and all blocks share the compiled graphs (one with the packed-document mask, one without). Only
+        where a block's forward is traceable end to end: no tensor parallelism (every Linear is then F.linear) and
+        no GEMM tuning (which times kernels in Python).
 
         Training only: a block runs its compiled forward while autograd records, its eager one otherwise, so
         evaluation and decoding (inference mode, prompts of every length) never wait on a recompilation.
