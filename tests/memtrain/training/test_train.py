@@ -199,18 +199,18 @@ def test_time_based_checkpoints_change_nothing_trained(recipe, tmp_path):
 
 
 def test_compiled_run_trains_as_the_eager_one(recipe, finished_run, tmp_path):
-    """train.compile end to end: the same losses to rounding, in the precision 'auto' chose on this machine
+    """train.compile end to end: the same losses to rounding, in the precision 'auto' chose for the eager run
     (tolerances as tests/memtrain/hf/test_compile.py's; measured over these 6 steps on a CPU with native bf16:
     6.4e-5 relative), and a checkpoint of the same names."""
     out = tmp_path / "compiled"
+    precision = json.loads((finished_run / "run.json").read_text())["precision"]  # 'auto' probes: not twice
     r = memtrain("train", "--config", recipe, "--out", out, "--set", "eval.enabled=false",
-                 "--set", "train.compile=true")
+                 "--set", "train.compile=true", "--set", f"train.precision={precision}")
     assert r.returncode == 0, r.stderr[-2000:]
     got, want = ([json.loads(x)["loss"] for x in (run / "metrics.jsonl").read_text().splitlines()]
                  for run in (out, finished_run))
     assert len(got) == len(want) == 6
-    bf16 = json.loads((out / "run.json").read_text())["precision"] == "bf16"
-    assert max(abs(a / b - 1) for a, b in zip(got, want)) <= (2e-3 if bf16 else 1e-5)
+    assert max(abs(a / b - 1) for a, b in zip(got, want)) <= (2e-3 if precision == "bf16" else 1e-5)
     a = checkpoint_files(out / "checkpoints" / "step_000006")
     assert a.keys() == checkpoint_files(finished_run / "checkpoints" / "step_000006").keys()
     saved = load(out / "config.toml")
