@@ -25,7 +25,6 @@ from collections import defaultdict
 from collections.abc import Iterable, Sequence
 
 import numpy as np
-from sklearn.metrics import roc_auc_score, roc_curve
 
 from .decode import sequence_logprobs
 from .extraction import as_canary
@@ -93,6 +92,10 @@ def roc_metrics(member_scores, nonmember_scores) -> dict:
     if m.size == 0 or n.size == 0:
         return {"auc": None, "tpr_at_1pct_fpr": None, "tpr_at_0.1pct_fpr": None,
                 "n_members": int(m.size), "n_nonmembers": int(n.size)}
+    # Imported here, not at the top: scikit-learn (with the scipy and pandas it loads) adds ~0.5 s to the start of
+    # every process that imports the eval package, including training runs that never score.
+    from sklearn.metrics import roc_auc_score, roc_curve
+
     y = np.r_[np.ones(m.size), np.zeros(n.size)]
     s = np.r_[m, n]
     fpr, tpr, _ = roc_curve(y, s)

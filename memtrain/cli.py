@@ -52,7 +52,6 @@ def summary_line(result, scores: dict | None = None) -> str:
 def _train(args) -> None:
     import parallel
     from memtrain import config as config_mod
-    from memtrain.evaluate import evaluate_after
     from memtrain.models import allow_remote_code
     from memtrain.run_files import check_output
     from memtrain.training import train
@@ -61,7 +60,12 @@ def _train(args) -> None:
     allow_remote_code(cfg, args.trust_remote_code, args.config or "--set")
     out = check_output(Path("runs") / Path(cfg.model.name).name if args.out is None else args.out, own_run=True)
     result = train(cfg, out, resume=args.resume, force=args.force)
-    scores = evaluate_after(cfg, result) if cfg.eval.enabled else None
+    scores = None
+    if cfg.eval.enabled:
+        # Imported only here: what evaluation loads (scipy.stats, datasets) adds ~1 s to the start of every run.
+        from memtrain.evaluate import evaluate_after
+
+        scores = evaluate_after(cfg, result)
     result.tracker.finish()
     if result.grid.rank == 0:
         print(summary_line(result, scores))
