@@ -6,7 +6,7 @@ thread each), so that only the grid's own process groups and the collective prob
 about 100 times a second. With all 20 grids' groups alive in one set of ranks (49 such threads per rank), a
 data-parallel step of ladder-1m took 255-273 ms instead of 196-200 ms on the machine below; and with no other group
 alive, an all-reduce of 4 KiB over all 8 ranks took 20-28 ms, against 5-9 ms beside two idle groups (those threads
-keep the ranks waking fast). So each grid's ranks build the probe's groups (network.probe_grids) before their
+keep the ranks waking fast). So each grid's ranks build the probe's groups (collectives.probe_grids) before their
 own, and the steps and the probes run beside the same groups.
 1. time one training step of `--model` in sharded and easy mode: the trainer's step (forward + backward per
    micro-batch, the gradient sync, clip_grad_norm_, AdamW). The modes alternate, `--warmup` untimed steps then
@@ -57,7 +57,8 @@ from memtrain.config import RunConfig
 from memtrain.hf import parallelize
 from memtrain.models import build_model
 from memtrain.plan import compute, cost, search
-from memtrain.plan.network import Network, inside_node, measure_collectives, probe_grids
+from memtrain.plan.collectives import measure_collectives, probe_grids
+from memtrain.plan.network import Network, inside_node
 from memtrain.plan.probes import measure_matmuls, measure_other
 from memtrain.training import build_optimizer, train_step
 from parallel.comm import Record
@@ -72,7 +73,7 @@ def grids(world: int) -> list[tuple[int, int, int, int]]:
 
 def probes(rank: int, world: int, grids: dict) -> dict:
     """One measurement of this machine, as `memtrain plan --measure` takes it (shorter loops: it runs once per
-    grid), the collectives on `grids` (network.probe_grids)."""
+    grid), the collectives on `grids` (collectives.probe_grids)."""
     return {**measure_collectives(rank, world, world, sizes_mb=(0.25, 1.0, 4.0), iters=3, grids=grids),
             "matmuls": measure_matmuls(("fp32",), min_seconds=0.01), **measure_other(("fp32",))}
 

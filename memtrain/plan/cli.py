@@ -29,7 +29,7 @@ from memtrain.plan.search import PlanConfig, fewest_gpus, plan, table, to_json
 from parallel import GRAD_SYNCS, resolve_degrees
 
 MESSAGE_MB = 4096.0
-"""The largest --sizes-mb message: every rank allocates network.STREAMED buffers of it (the queued calls' probe)."""
+"""The largest --sizes-mb message: every rank allocates collectives.STREAMED buffers of it (the queued calls' probe)."""
 
 
 def main(argv: list[str] | None = None) -> int | None:

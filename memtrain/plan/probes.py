@@ -2,7 +2,7 @@
 
 Ranks that share a CPU's cores (or a node's memory bandwidth) share them in the probes as in training, so every
 rate is one rank's while all run; in a process group each rank returns the mean over ranks of every timing.
-- collectives: `network.measure_collectives` (each op's time per group size and payload: alone, streamed, chained);
+- collectives: `collectives.measure_collectives` (each op's time per group size and payload: alone, streamed, chained);
 - matmuls: GFLOP/s per shape (`measure_matmuls`);
 - what a step spends besides matmuls (`measure_other`), each rate timed on the torch ops a step runs, at sizes
   like a step's (compute.py's module docstring says what each rate multiplies):
@@ -39,7 +39,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import parallel
 from memtrain.files import write_atomic
 from memtrain.hf import parallelize
-from memtrain.plan.network import ELEMENTWISE, Network, measure_collectives
+from memtrain.plan.collectives import measure_collectives
+from memtrain.plan.network import ELEMENTWISE, Network
 from parallel.norm import RMSNorm
 
 MATMUL_DIMS = (8, 32, 128, 512, 2048)

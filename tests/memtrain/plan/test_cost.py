@@ -31,7 +31,7 @@ import torch
 import parallel
 from memtrain.config import RunConfig
 from memtrain.hf import parallelize
-from memtrain.plan import cost, network
+from memtrain.plan import collectives, cost, network
 from memtrain.training import build_optimizer, train_step
 from parallel import Grid
 from parallel.bucketed import GradSync
@@ -94,10 +94,10 @@ def _worker(rank, world):
             parallel.LEDGER.reset()
             run_step(plm, grid, opt, "fp32", micro_batch(degrees, mode), plm.config.vocab_size)
             out[case].append(Counter(parallel.LEDGER.records))
-    probe_grids = network.probe_grids(rank, world)
+    probe_grids = collectives.probe_grids(rank, world)
     assert {p: (g.data, g.x, g.y, g.z) for p, g in probe_grids.items()} == {
         2: (4, 2, 1, 1), 4: (2, 4, 1, 1), 8: (1, 8, 1, 1)}
-    out["measure"] = network.measure_collectives(rank, world, 8, sizes_mb=(0.01, 0.04), iters=2, grids=probe_grids)
+    out["measure"] = collectives.measure_collectives(rank, world, 8, sizes_mb=(0.01, 0.04), iters=2, grids=probe_grids)
     return out
 
 
@@ -205,7 +205,7 @@ def test_measured_table_is_read_by_the_planner(ranks, tmp_path):
     assert all(r["measure"] == measured for r in ranks)  # every rank returns the slowest rank's figures
     curves, table = measured["collective_curves"], measured["collectives"]
     assert set(curves) == set(table) == set(network.OPS)
-    payloads = (*network.SMALL_MESSAGES, int(0.01 * 2**20), int(0.04 * 2**20))  # and --sizes-mb 0.01,0.04
+    payloads = (*collectives.SMALL_MESSAGES, int(0.01 * 2**20), int(0.04 * 2**20))  # and --sizes-mb 0.01,0.04
     for op in network.OPS:
         assert set(curves[op]["intra"]) == set(table[op]["intra"]) == {"2", "4", "8"}
         for p, curve in curves[op]["intra"].items():
