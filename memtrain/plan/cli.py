@@ -121,7 +121,7 @@ def host_gbps(text: str) -> float:
 def fewest_text(cfg: PlanConfig, net, batch: int | None) -> str:
     """The fewest GPUs (powers of two) that hold the model without and with optimizer offload."""
     n = {o: fewest_gpus(dataclasses.replace(cfg, offload=o), net, batch) for o in (False, True)}
-    say = {o: f"{n[o]} GPUs" if n[o] else "more than 65,536 GPUs" for o in n}
+    say = {o: f"{n[o]} GPU{'s' * (n[o] != 1)}" if n[o] else "more than 65,536 GPUs" for o in n}
     return (f"fewest GPUs that hold {cfg.model} (powers of two, micro-batch {cfg.micro_batch or 1}, "
             f"{f'batch {batch}' if batch else 'one sequence per GPU'}, {net.gpu_memory_gb:g} GB each): "
             f"{say[False]} without optimizer offload, {say[True]} with")
