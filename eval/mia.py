@@ -98,7 +98,9 @@ def roc_metrics(member_scores, nonmember_scores) -> dict:
 
     y = np.r_[np.ones(m.size), np.zeros(n.size)]
     s = np.r_[m, n]
-    fpr, tpr, _ = roc_curve(y, s)
+    # Every threshold: scikit-learn's default drops corners that lie on a line between others, and a corner below a
+    # target FPR can be the best TPR there (members tied with non-members make such lines).
+    fpr, tpr, _ = roc_curve(y, s, drop_intermediate=False)
     return {"auc": float(roc_auc_score(y, s)), "tpr_at_1pct_fpr": tpr_at_fpr(fpr, tpr, 0.01),
             "tpr_at_0.1pct_fpr": tpr_at_fpr(fpr, tpr, 0.001), "n_members": int(m.size),
             "n_nonmembers": int(n.size)}

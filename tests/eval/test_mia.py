@@ -27,6 +27,13 @@ def test_tpr_at_low_fpr_hand_computed():
     assert r["tpr_at_1pct_fpr"] == 0.5
 
 
+def test_tpr_at_low_fpr_keeps_every_threshold_when_scores_tie():
+    # Members tie with non-members at 3, 2 and 1: the ROC corners (0.5%, 25%), (1%, 50%), (1.5%, 75%) lie on one
+    # line. At FPR <= 1% the best TPR is 50%; scikit-learn's default roc_curve drops the middle corner (25%).
+    r = roc_metrics([3.0, 2.0, 1.0, -5.0], [3.0, 2.0, 1.0] + [0.0] * 197)
+    assert r["tpr_at_1pct_fpr"] == 0.5 and r["tpr_at_0.1pct_fpr"] == 0.0
+
+
 def test_min_k_on_hand_made_logprobs():
     lp = np.log([0.5, 0.1, 0.9, 0.2, 0.05, 0.6, 0.7, 0.8, 0.3, 0.4])
     # k = 20% of 10 tokens = the 2 lowest: 0.05 and 0.1
