@@ -32,22 +32,30 @@ def start_ids(tok) -> list[int]:
                      "context; give the tokenizer an eos_token")
 
 
+def prefix_lens(c: Canary, tok, suffix_len: int) -> tuple[int | None, int | None]:
+    """The prompt lengths of a canary and of its twin (None: the evaluation asks for the last `suffix_len` tokens):
+    a user file's split, else for a secret too short for `suffix_len` its digits. Its twin is then asked for its
+    own digits too (the twin's made-up name has its own length), so the control answers the same question."""
+    prefix, twin = c.prefix_len, c.twin_prefix_len
+    if c.format == "secret":
+        if prefix is None and len(c.token_ids) <= suffix_len:
+            prefix = secret_prefix_len(c, tok)
+        if twin is None and c.twin_token_ids and (prefix is not None or len(c.twin_token_ids) <= suffix_len):
+            twin = secret_prefix_len(c, tok, twin=True)
+    return prefix, twin
+
+
 def as_scored(canaries: list[Canary], start: list[int], tok, suffix_len: int,
               copies_seen: dict | None = None) -> list[ev.Canary]:
     """Each canary and (when it has one) its twin as the evaluation scores them: after `start`, with their own
-    prefix length where a user file split them, and a secret too short for `suffix_len` asked for its digits."""
+    prompt lengths (`prefix_lens`)."""
     out = []
     for c in canaries:
         seen = (copies_seen or {}).get(c.id, c.copies)
-        prefix = c.prefix_len
-        if prefix is None and c.format == "secret" and len(c.token_ids) <= suffix_len:
-            prefix = secret_prefix_len(c, tok)
+        prefix, twin_prefix = prefix_lens(c, tok, suffix_len)
         out.append(ev.Canary(tokens=[*start, *c.token_ids], id=c.id, kind=c.kind, copies=seen, inserted=True,
                              text=c.text, prefix_len=None if prefix is None else len(start) + prefix))
         if c.twin_token_ids:
-            twin_prefix = c.twin_prefix_len
-            if twin_prefix is None and c.format == "secret" and len(c.twin_token_ids) <= suffix_len:
-                twin_prefix = prefix  # same template and name length: the twin's digits
             out.append(ev.Canary(tokens=[*start, *c.twin_token_ids], id=f"{c.id}-twin", kind=c.kind, copies=seen,
                                  inserted=False, text=c.twin_text,
                                  prefix_len=None if twin_prefix is None else len(start) + twin_prefix))

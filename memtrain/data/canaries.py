@@ -80,13 +80,16 @@ def render_secret(name: str, secret: str) -> str:
     return SECRET_TEMPLATE.format(name=name, secret=secret)
 
 
-def secret_prefix_len(c: Canary, tok) -> int:
-    """Tokens of a secret canary before its secret: where its rendering and one with every digit changed part
-    (the name and template are known context; the digits are what exposure and extraction ask for)."""
-    changed = "".join(str((int(ch) + 5) % 10) if ch.isdigit() else ch for ch in c.candidate_space["slots"]["secret"])
-    other = encode_text(tok, render_secret(c.candidate_space["slots"]["name"], changed))
+def secret_prefix_len(c: Canary, tok, twin: bool = False) -> int:
+    """Tokens of a secret canary (or of its twin, whose made-up name is its own) before its secret: where its
+    rendering and one with every digit changed part (the name and template are known context; the digits are what
+    exposure and extraction ask for)."""
+    slots = c.candidate_space["twin_slots" if twin else "slots"]
+    ids = c.twin_token_ids if twin else c.token_ids
+    changed = "".join(str((int(ch) + 5) % 10) if ch.isdigit() else ch for ch in slots["secret"])
+    other = encode_text(tok, render_secret(slots["name"], changed))
     n = 0
-    while n < min(len(other), len(c.token_ids)) and other[n] == c.token_ids[n]:
+    while n < min(len(other), len(ids)) and other[n] == ids[n]:
         n += 1
     return n
 

@@ -1,0 +1,54 @@
+"""What the evaluation asks a canary and its twin for (memtrain/scoring.py): a secret too short for the suffix is
+asked for its digits, and its twin for the twin's own digits, whose made-up name has its own length."""
+
+import os
+import sysconfig
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+
+from memtrain.data import CanaryConfig, DataConfig, build_stream  # noqa: E402
+from memtrain.scoring import as_scored, prefix_lens  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def stream(tmp_path_factory):
+    root = tmp_path_factory.mktemp("corpus")
+    for p in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))[1::4][:40]:
+        (root / f"{p.stem}.txt").write_text(p.read_text("utf-8")[:8000])
+    data = DataConfig(corpus=str(root), vocab_size=512, seq_len=128, val_fraction=0.1,
+                      cache_dir=str(tmp_path_factory.mktemp("cache")))
+    return build_stream(data, CanaryConfig(kinds=["random"], number=12, copies=[1]), seed=0)
+
+
+def _asked(stream, scored) -> str:
+    return stream.tokenizer.decode(scored.tokens[scored.prefix_len:]).strip()
+
+
+def test_short_secrets_and_their_twins_are_asked_for_their_own_digits(stream):
+    canaries = stream.canaries
+    # The names are drawn apart: some twins' prompts are longer or shorter than their canary's.
+    assert len({len(c.token_ids) - len(c.twin_token_ids) for c in canaries}) > 1
+    scored = as_scored(canaries, [stream.eos_id], stream.tokenizer, suffix_len=64)
+    for c, member, twin in zip(canaries, scored[0::2], scored[1::2], strict=True):
+        assert _asked(stream, member) == c.candidate_space["slots"]["secret"], c.id
+        assert _asked(stream, twin) == c.candidate_space["twin_slots"]["secret"], c.id
+        assert member.tokens[0] == twin.tokens[0] == stream.eos_id and twin.id == f"{c.id}-twin"
+
+
+def test_a_twin_answers_what_its_canary_is_asked(stream):
+    """Where only one of a pair fits the suffix, the twin still answers the canary's question: its digits when the
+    canary is asked for digits, the last suffix_len tokens when the canary is (unless the twin is too short)."""
+    tok, pairs = stream.tokenizer, 0
+    for c in stream.canaries:
+        for suffix_len in range(min(len(c.token_ids), len(c.twin_token_ids)), max(len(c.token_ids),
+                                                                                 len(c.twin_token_ids))):
+            prefix, twin = prefix_lens(c, tok, suffix_len)
+            member_short = len(c.token_ids) <= suffix_len
+            assert (prefix is not None) == member_short
+            assert (twin is not None) == (member_short or len(c.twin_token_ids) <= suffix_len)
+            pairs += 1
+    assert pairs > 0  # some pair had lengths on both sides of a suffix length
