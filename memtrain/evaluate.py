@@ -41,6 +41,7 @@ from memtrain.hf import GridModel
 from memtrain.models import allow_remote_code, build_model
 from memtrain.progress import note, seconds, stage
 from memtrain.run_files import CONFIG, EVAL, EVAL_CANARIES, MANIFEST, RUN, check_output
+from memtrain.scoring import prefix_lens
 from memtrain.training import TrainResult, checkpoint, setup
 
 
@@ -112,15 +113,17 @@ def order_effect(stream, rows: list[dict], batch_size: int) -> dict:
     return {"by_copies": out, "mean": sum(v["rho"] * v["n"] for v in valid) / n if n else None, "n": n}
 
 
-def _in_row_canaries(stream, seen: dict[str, int]) -> list[ev.Canary]:
+def _in_row_canaries(stream, seen: dict[str, int], suffix_len: int) -> list[ev.Canary]:
     """Each canary as its first copy was trained without document attention: after the text before it in its
-    row (which ends with the EOS that opens it)."""
+    row (which ends with the EOS that opens it), asked for what the main extraction asks it (its own split)."""
     out = []
     for c in stream.canaries:
         p = c.placements[0]
         context = stream.rows(p.seq_index, p.seq_index + 1)["input_ids"][0, :p.offset].tolist()
+        prefix = prefix_lens(c, stream.tokenizer, suffix_len)[0]
         out.append(ev.Canary(tokens=context + list(c.token_ids), id=c.id, kind=c.kind,
-                             copies=seen.get(c.id, c.copies), inserted=True, text=c.text))
+                             copies=seen.get(c.id, c.copies), inserted=True, text=c.text,
+                             prefix_len=None if prefix is None else len(context) + prefix))
     return out
 
 
@@ -146,8 +149,9 @@ def evaluate(model, stream, cfg, run_dir: Path, steps: int, write: bool = True,
                               copies_seen=seen, exposures={r["id"]: r["exposure"] for r in expo})
         if buried:
             with stage("eval: extraction from each canary's in-row context"):
-                in_row = ev.extraction_eval(model, _in_row_canaries(stream, seen), suffix_len=cfg.eval.suffix_len,
-                                            batch_size=cfg.eval.batch_size, pythia=False)
+                in_row = ev.extraction_eval(model, _in_row_canaries(stream, seen, cfg.eval.suffix_len),
+                                            suffix_len=cfg.eval.suffix_len, batch_size=cfg.eval.batch_size,
+                                            pythia=False)
         if val_loss is not None:  # the probe's, on these same documents: not tokenized or scored again
             val_loss = {"loss": val_loss, "perplexity": math.exp(val_loss)}
         elif val := stream.val_sequences(cfg.eval.val_docs, cfg.eval.val_tokens):

@@ -1,8 +1,10 @@
 """What the evaluation asks a canary and its twin for (memtrain/scoring.py): a secret too short for the suffix is
-asked for its digits, and its twin for the twin's own digits, whose made-up name has its own length."""
+asked for its digits, and its twin for the twin's own digits, whose made-up name has its own length; extraction from
+a canary's in-row context (memtrain/evaluate.py) asks for the same tokens."""
 
 import os
 import sysconfig
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -11,16 +13,21 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 from memtrain.data import CanaryConfig, DataConfig, build_stream  # noqa: E402
+from memtrain.evaluate import _in_row_canaries  # noqa: E402
 from memtrain.scoring import as_scored, prefix_lens  # noqa: E402
 
 
 @pytest.fixture(scope="module")
-def stream(tmp_path_factory):
+def data(tmp_path_factory):
     root = tmp_path_factory.mktemp("corpus")
     for p in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))[1::4][:40]:
         (root / f"{p.stem}.txt").write_text(p.read_text("utf-8")[:8000])
-    data = DataConfig(corpus=str(root), vocab_size=512, seq_len=128, val_fraction=0.1,
+    return DataConfig(corpus=str(root), vocab_size=512, seq_len=128, val_fraction=0.1,
                       cache_dir=str(tmp_path_factory.mktemp("cache")))
+
+
+@pytest.fixture(scope="module")
+def stream(data):
     return build_stream(data, CanaryConfig(kinds=["random"], number=12, copies=[1]), seed=0)
 
 
@@ -52,3 +59,16 @@ def test_a_twin_answers_what_its_canary_is_asked(stream):
             assert (twin is not None) == (member_short or len(c.twin_token_ids) <= suffix_len)
             pairs += 1
     assert pairs > 0  # some pair had lengths on both sides of a suffix length
+
+
+def test_in_row_extraction_asks_for_what_the_canary_is_asked(data):
+    """Without document attention a canary buried in a row is also asked after the row's text before it: for the
+    same tokens as the main extraction (a short secret's digits), not for the last suffix_len of context + canary."""
+    buried = build_stream(replace(data, document_attention=False),
+                          CanaryConfig(kinds=["random"], number=12, copies=[1], placement="random"), seed=0)
+    assert any(c.placements[0].offset > 1 for c in buried.canaries)
+    main = as_scored(buried.canaries, [buried.eos_id], buried.tokenizer, suffix_len=64)[0::2]
+    in_row = _in_row_canaries(buried, {}, suffix_len=64)
+    for c, a, b in zip(buried.canaries, main, in_row, strict=True):
+        assert b.prefix_len > len(b.tokens) - len(c.token_ids)  # the row's text is context, never asked for
+        assert b.tokens[b.prefix_len:] == a.tokens[a.prefix_len:], c.id
