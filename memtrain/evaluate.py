@@ -95,12 +95,13 @@ def _exposures(model, stream, cfg) -> list[dict]:
     return rows
 
 
-def order_effect(stream, rows: list[dict], batch_size: int) -> dict:
+def order_effect(stream, rows: list[dict], batch_size: int, steps: int) -> dict:
     """Does the order of training show? Per copies level, the Spearman correlation of a member's last training
-    step with its log-likelihood (MIA's 'loss' score, the mean log-probability of its tokens): later-seen text
-    should be remembered better (positive). Levels with fewer than 4 members are left out; 'mean' weights the
-    levels by their members."""
-    last = {c.id: max(p.seq_index for p in c.placements) // batch_size for c in stream.canaries if c.placements}
+    step (of the `steps` the run took: an early stop or a later epoch moves it) with its log-likelihood (MIA's
+    'loss' score, the mean log-probability of its tokens): later-seen text should be remembered better (positive).
+    Canaries no step reached are left out, and levels with fewer than 4 members; 'mean' weights the levels by their
+    members."""
+    last = stream.last_steps(batch_size, steps)
     out: dict = {}
     for cp in sorted({r["copies"] for r in rows}):
         pts = [(last[r["id"]], r["loss"]) for r in rows if r["inserted"] and r["copies"] == cp
@@ -168,7 +169,7 @@ def evaluate(model, stream, cfg, run_dir: Path, steps: int, write: bool = True,
     result.update(val_loss=val_loss["loss"] if val_loss else None,
                   val_perplexity=val_loss["perplexity"] if val_loss else None,
                   unigram_entropy=stream.unigram_entropy(), steps=steps, not_reached=not_reached,
-                  order_effect=order_effect(stream, rows, cfg.train.batch_size),
+                  order_effect=order_effect(stream, rows, cfg.train.batch_size, steps),
                   exposure_samples=cfg.eval.exposure_samples,  # counts show <= log2(n + 1) bits; none > log2 |R|
                   exposure_resolution_bits=min((r["resolution_bits"] for r in expo), default=None),
                   exposure_ceiling_bits=max((r["ceiling_bits"] for r in expo), default=None))

@@ -129,6 +129,18 @@ class TrainStream:
                           if p.seq_index // batch_size == s % per_epoch and p.seq_index < per_epoch * batch_size)
                 for c in self.canaries}
 
+    def last_steps(self, batch_size: int, steps: int) -> dict[str, int]:
+        """The last of `steps` optimizer steps at this batch size that trained each canary; a canary no step reached
+        is left out. Epochs repeat the batches in order, so a row of batch b is trained at b, b + per_epoch, ..."""
+        per_epoch = len(self) // batch_size
+        out = {}
+        for c in self.canaries:
+            batches = [p.seq_index // batch_size for p in c.placements if p.seq_index < per_epoch * batch_size]
+            trained = [b + (steps - 1 - b) // per_epoch * per_epoch for b in batches if b < steps]
+            if trained:
+                out[c.id] = max(trained)
+        return out
+
     def val_sequences(self, n_docs: int, max_tokens: int) -> list[list[int]]:
         """Whole held-out documents in rows as training reads text: each of the first `n_docs` as [EOS, *ids]
         cut into windows of seq_len + 1 tokens that overlap by one, so every token after the opening EOS is

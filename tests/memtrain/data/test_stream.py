@@ -249,6 +249,24 @@ def test_a_pass_trains_every_row_so_every_copy_is_seen(data_cfg, batch):
     assert len(plain) <= len(s) < len(plain) + batch
 
 
+def test_last_steps_follow_the_batches_a_run_took(data_cfg):
+    """The last step that trained each canary, against a replay of the run's batches: before the pass ends (some
+    canaries never reached: left out), at its end, and halfway through a second epoch."""
+    batch = 4
+    s = build_stream(data_cfg, CANARIES, seed=0, batch_size=batch)
+    per_epoch = len(s) // batch
+    for steps in (per_epoch // 3, per_epoch, per_epoch + per_epoch // 2):
+        replay = {}
+        for step in range(steps):
+            rows = range(step % per_epoch * batch, (step % per_epoch + 1) * batch)
+            for c in s.canaries:
+                if any(p.seq_index in rows for p in c.placements):
+                    replay[c.id] = step
+        assert s.last_steps(batch, steps) == replay, steps
+        assert set(replay) == {i for i, n in s.copies_seen(batch, steps).items() if n}
+    assert len(s.last_steps(batch, per_epoch // 3)) < len(s.canaries)  # the early stop left some out
+
+
 
 @pytest.mark.parametrize("damage", ["meta.json", "canaries.json", "tokens.npy"])
 def test_a_damaged_cached_stream_is_named_with_the_fix(data_cfg, tmp_path, damage):
