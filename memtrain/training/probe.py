@@ -22,9 +22,10 @@ from memtrain.losses import drop_mask
 
 
 def suffix_drops(seq: list[int], n_suffix: int, cfg: RunConfig) -> torch.Tensor:
-    """Bool [n_suffix]: the suffix targets the run's loss drops, for a sequence [EOS, canary] as trained."""
+    """Bool [n_suffix]: the suffix targets the run's loss drops, for a sequence [EOS, canary] as trained (the
+    stream numbers a document's targets from 0: its first token after the EOS)."""
     labels = torch.tensor(seq[1:]).unsqueeze(0)
-    doc_pos = torch.arange(1, len(seq)).unsqueeze(0)
+    doc_pos = torch.arange(len(seq) - 1).unsqueeze(0)
     return drop_mask(labels, doc_pos, cfg.loss)[0, -n_suffix:]
 
 

@@ -15,10 +15,12 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from experiments.report.stats import wilson
 from memtrain.config import RunConfig
-from memtrain.losses import LossConfig
+from memtrain.data import CanaryConfig, DataConfig, build_stream
+from memtrain.losses import LossConfig, drop_mask
 from memtrain.training.probe import suffix_drops
 from tests._helpers import once_per_session
 from tests.memtrain._helpers import memtrain, stdlib_corpus
@@ -103,11 +105,29 @@ def test_members_lose_more_suffix_loss_than_their_never_trained_twins(start):
 
 def test_suffix_drops_marks_the_suffix_targets_the_loss_drops():
     """A known answer without the hash: the static mask drops doc_pos % k == k - 1, so of the 16 suffix targets
-    of [EOS, 32 tokens] (doc_pos 17..32) it drops 19, 23, 27 and 31 at k=4; the standard loss drops none."""
+    of [EOS, 32 tokens] (doc_pos 16..31: the first token after the EOS is 0) it drops 19, 23, 27 and 31 at k=4; the
+    standard loss drops none."""
     seq = [0, *range(1, 33)]
     static = RunConfig(loss=LossConfig(kind="goldfish", k=4, mask="static"))
-    assert suffix_drops(seq, 16, static).nonzero().flatten().tolist() == [2, 6, 10, 14]
+    assert suffix_drops(seq, 16, static).nonzero().flatten().tolist() == [3, 7, 11, 15]
     assert int(suffix_drops(seq, 16, RunConfig()).sum()) == 0
+
+
+@pytest.mark.parametrize("mask", ["static", "hashed"])
+def test_suffix_drops_are_what_training_drops_in_the_stream(tmp_path, mask):
+    """The probe's mask of a canary equals the one the loss applies to the canary's copy in its training row."""
+    (tmp_path / "corpus").mkdir()
+    corpus = stdlib_corpus(tmp_path / "corpus", every=4, count=40, chars=8000)
+    data = DataConfig(corpus=str(corpus), vocab_size=512, seq_len=128, cache_dir=str(tmp_path / "cache"))
+    stream = build_stream(data, CanaryConfig(kinds=["document"], number=4, copies=[1], length=32), seed=0)
+    loss = LossConfig(kind="goldfish", k=4, h=4, mask=mask)
+    for c in stream.canaries:
+        (p,) = c.placements
+        row = stream.rows(p.seq_index, p.seq_index + 1)
+        trained = drop_mask(torch.from_numpy(row["labels"]), torch.from_numpy(row["doc_pos"]), loss)[0]
+        trained = trained[p.offset - 1:p.offset - 1 + len(c.token_ids)][-16:]  # label j predicts token j + 1
+        assert torch.equal(suffix_drops([stream.eos_id, *c.token_ids], 16, RunConfig(loss=loss)), trained), c.id
+        assert trained.any()
 
 
 def test_buried_canaries_behind_document_attention_are_memorized_alike(start, recipe, tmp_path):
