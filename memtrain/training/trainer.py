@@ -56,7 +56,8 @@ class TrainResult:
     """Median training throughput over the steps this process ran (None when it ran none: a finished run resumed)."""
     final_val_loss: float | None = None
     """Held-out loss of the final model as the per-pass probe scored it (None when no probe scored the last
-    step): evaluation reuses it rather than scoring the same documents again."""
+    step, or it scored other weights than evaluation does: an offloaded bf16 run's bf16 copies): evaluation reuses
+    it rather than scoring the same documents again."""
 
 
 def _truncate_jsonl(path: Path, last_step: int) -> None:
@@ -274,10 +275,13 @@ def train(cfg: RunConfig, out_dir: str | Path, *, resume: bool = False, force: b
         if agree(grid, device, saved_at, 0, save_s).stop:
             raise signals.Terminated(f"terminated by SIGTERM after the last step, its checkpoint saved: evaluation did "
                                      f"not run; {signals.RESUME_HINT} (--out {out}), which runs it")
+    final_val_loss = probed.get(total)
     if t.optimizer_offload:
         opt.restore_params()  # fp32 weights for evaluation, as a non-offloaded run leaves them
+        if amp is not None:  # the last probe scored the bf16 copies trained on: evaluation scores the fp32 masters
+            final_val_loss = None
     return TrainResult(out, total, last, grid, plm, stream, tracker,
-                       statistics.median(rates) if rates else None, probed.get(total))
+                       statistics.median(rates) if rates else None, final_val_loss)
 
 
 _clock = time.monotonic  # the time-based checkpoints' clock (tests replace it)

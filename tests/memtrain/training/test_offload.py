@@ -245,6 +245,31 @@ def test_train_resumes_an_offloaded_bf16_run_bitwise(tmp_path):
     assert all(t.dtype == torch.float32 for t in a.values())  # the fp32 masters and moments
 
 
+def _evaluated(rank, world, recipe, out) -> tuple[float, float]:
+    """eval.json's held-out loss of a trained run, and the per-pass probe's on the weights evaluation holds."""
+    from memtrain.config import load
+    from memtrain.evaluate import evaluate_after
+    from memtrain.training import train
+    from memtrain.training.probe import pass_scores
+
+    cfg = load(recipe)
+    result = train(cfg, out)
+    return evaluate_after(cfg, result)["val_loss"], pass_scores(result.model, result.stream, cfg)["val_loss"]
+
+
+def test_an_offloaded_bf16_run_evaluates_its_fp32_masters_after_every_pass_probes(tmp_path):
+    """The last pass's probe scores the bf16 copies training ran on; eval.json's held-out loss is the fp32
+    masters' (what `memtrain eval` of the checkpoint scores), not that probe's figure reused."""
+    (tmp_path / "corpus").mkdir()
+    corpus = stdlib_corpus(tmp_path / "corpus", every=8, count=8, chars=3000)
+    recipe = write_recipe(tmp_path / "r.toml", corpus, tmp_path / "cache",
+                          train={"optimizer_offload": True, "precision": "bf16", "max_steps": None, "epochs": 1,
+                                 "warmup_steps": 1},
+                          eval={"every_pass": True, "val_docs": 4, "exposure_samples": 8})
+    (evaluated, fp32), = run_ranks(1, _evaluated, recipe, tmp_path / "run")
+    assert evaluated == pytest.approx(fp32, rel=1e-6)
+
+
 def test_host_memory_is_pinned_only_for_parameters_on_a_gpu(monkeypatch):
     """A visible GPU alone pins nothing: CPU ranks (gloo) on a GPU machine keep pageable memory, which a forked
     rank can allocate without touching CUDA."""
