@@ -181,8 +181,10 @@ def train(cfg: RunConfig, out_dir: str | Path, *, resume: bool = False, force: b
     if resume:
         state = checkpoint.load(ckpt, plm, opt)
         sched.load_state_dict(state["scheduler"])
-        for group, lr in zip(opt.param_groups, sched.get_last_lr()):  # load_state_dict leaves these stale
-            group["lr"] = lr
+        # The next step's lr from this run's schedule (max_steps or epochs may have changed since the save), as
+        # LambdaLR computes it: load_state_dict leaves the groups stale and restores the old schedule's last lr.
+        for group, base, factor in zip(opt.param_groups, sched.base_lrs, sched.lr_lambdas):
+            group["lr"] = base * factor(sched.last_epoch)
         torch.set_rng_state(torch.tensor(state["rng"], dtype=torch.uint8))
         start = state["step"]
         if grid.rank == 0:
@@ -233,7 +235,7 @@ def train(cfg: RunConfig, out_dir: str | Path, *, resume: bool = False, force: b
             t0 = time.perf_counter()
             batch = stream.batch(step % steps_per_epoch, B)
             keep = keep_mask(batch["labels"], batch["doc_pos"], cfg.loss)
-            lr = sched.get_last_lr()[0]
+            lr = opt.param_groups[0]["lr"]  # what this step trains with
             sums, norm = train_step(plm, grid, opt, batch["input_ids"], batch["labels"], keep, mb,
                                     position_ids=batch.get("position_ids"), amp=amp, overlap=p.overlap,
                                     grad_sync=p.grad_sync, grad_clip=t.grad_clip)

@@ -182,6 +182,22 @@ def test_time_based_checkpoint_is_rank_0s_decision_on_every_rank():
     assert run_ranks(2, _checkpoint_decisions) == [[True, False, False], [True, False, False]]
 
 
+def _lrs(rank, world, recipe, out, max_steps: int, resume: bool) -> list[float]:
+    sets = ["eval.enabled=false", "train.checkpoint_every=2", f"train.max_steps={max_steps}"]
+    trainer.train(load(recipe, sets), out, resume=resume)
+    return [json.loads(x)["lr"] for x in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_a_resume_with_more_steps_trains_on_at_the_new_schedules_lr(recipe, tmp_path):
+    """train.max_steps may change on resume: the cosine then stretches to the new total from the first resumed step
+    on (the old schedule's last lr is not reused), and every step's lr is logged as the step trained with it."""
+    (cut,) = run_ranks(1, _lrs, recipe, tmp_path / "run", 4, False)
+    (resumed,) = run_ranks(1, _lrs, recipe, tmp_path / "run", 8, True)
+    (whole,) = run_ranks(1, _lrs, recipe, tmp_path / "whole", 8, False)
+    assert resumed[:4] == cut and cut[2:] != whole[2:4]  # past the warm-up the two totals' schedules differ
+    assert resumed[4:] == whole[4:]
+
+
 def test_time_based_checkpoints_change_nothing_trained(recipe, tmp_path):
     sets = ["--set", "eval.enabled=false"]
     r = memtrain("train", "--config", recipe, "--out", tmp_path / "off", *sets, "--set", "train.checkpoint_every_min=0")
