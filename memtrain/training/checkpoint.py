@@ -253,8 +253,9 @@ def latest(run_dir: Path) -> Path | None:
         path = root / name
         if (path / "state.json").is_file():
             return path
-    complete = sorted(p for p in root.glob("step_*") if (p / "state.json").is_file())
-    return complete[-1] if complete else None
+    complete = sorted((int(p.name[5:]), p) for p in root.glob("step_*")  # by number: step_1000000 > step_999999
+                      if re.fullmatch(r"step_\d+", p.name) and (p / "state.json").is_file())
+    return complete[-1][1] if complete else None
 
 
 def keep_final_weights(run_dir: Path) -> Path | None:

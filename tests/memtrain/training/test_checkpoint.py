@@ -88,6 +88,16 @@ def test_missing_or_foreign_pieces_are_named(small, tmp_path):
         _load_small(0, 1, None, tmp_path)
 
 
+def test_without_a_pointer_the_newest_complete_checkpoint_is_the_highest_step(tmp_path):
+    """Past step 999,999 a name has more digits: the newest is chosen by number, not by name; an incomplete
+    checkpoint (no state.json) and a stray directory are passed over."""
+    for name in ("step_999999", "step_1000000", "step_2000000", "step_notes"):
+        (tmp_path / "checkpoints" / name).mkdir(parents=True)
+        if name != "step_2000000":  # a save cut short before its state.json
+            (tmp_path / "checkpoints" / name / "state.json").write_text("{}")
+    assert checkpoint.latest(tmp_path).name == "step_1000000"
+
+
 def test_full_tensor_checkpoints_of_earlier_versions_still_load(tmp_path):
     """Before sharded checkpoints, rank 0 wrote model.safetensors of full tensors: a piece each, at offset 0."""
     model = tiny("llama")
