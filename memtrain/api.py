@@ -24,7 +24,7 @@ import torch
 from datasets import Dataset, concatenate_datasets
 
 from memtrain.data import Canary, Placement, canary_file
-from memtrain.scoring import as_scored, by_kind, score, start_ids
+from memtrain.scoring import added_bos, as_scored, by_kind, score, start_ids
 
 
 def _canaries(canaries, tokenizer, copies) -> list[Canary]:
@@ -35,18 +35,20 @@ def _canaries(canaries, tokenizer, copies) -> list[Canary]:
 
 def inject(data, canaries, tokenizer, *, copies=(1,), seed: int = 0, text_field: str = "text"):
     """(data with the canaries' copies inserted, manifest). A canary gives its own `copies` or takes the next of
-    `copies`, cycled. In a Dataset each copy is a row of its own (its text, or its ids in "input_ids"), rows
-    placed uniformly at random by `seed` among the originals, whose order is kept; in a 1-D token stream each copy
-    is [ids..., EOS] after a document's EOS. The manifest's placements give each copy's row (seq_index), or for
-    a stream its first token's position (offset)."""
+    `copies`, cycled. In a Dataset each copy is a row of its own, rows placed uniformly at random by `seed` among
+    the originals, whose order is kept: its text, or in a tokenized Dataset its ids in "input_ids" as the tokenizer
+    would give them (after its BOS when it adds one), "attention_mask" ones and "labels" the ids where the Dataset
+    has those columns, other columns None. In a 1-D token stream each copy is [ids..., EOS] after a document's EOS
+    (score it with `evaluate(..., start=[tokenizer.eos_token_id])`, the context it was trained in). The manifest's
+    placements give each copy's row (seq_index) and where in it the canary's first token is (offset)."""
     cans = _canaries(canaries, tokenizer, copies)
     rng = np.random.default_rng(seed)
     if isinstance(data, (np.ndarray, torch.Tensor, list)):
         return _into_stream(np.asarray(data), cans, int(tokenizer.eos_token_id), rng), [c.to_dict() for c in cans]
-    return _into_dataset(data, cans, text_field, rng), [c.to_dict() for c in cans]
+    return _into_dataset(data, cans, text_field, tokenizer, rng), [c.to_dict() for c in cans]
 
 
-def _into_dataset(ds, cans: list[Canary], text_field: str, rng):
+def _into_dataset(ds, cans: list[Canary], text_field: str, tokenizer, rng):
     tokenized = text_field not in ds.column_names
     if tokenized and "input_ids" not in ds.column_names:
         raise ValueError(f"the dataset has neither a {text_field!r} column nor 'input_ids': pass text_field=<the "
@@ -54,17 +56,24 @@ def _into_dataset(ds, cans: list[Canary], text_field: str, rng):
     copies = [c for c in cans for _ in range(c.copies)]
     n, m = len(ds), len(copies)
     at = np.sort(rng.choice(n + m, size=m, replace=False))
-    field = "input_ids" if tokenized else text_field
-    extra = Dataset.from_dict({name: [None] * m for name in ds.column_names if name != field}
-                              | {field: [c.token_ids if tokenized else c.text for c in copies]},
-                              features=ds.features)
+    copies = [copies[k] for k in rng.permutation(m)]  # which copy goes where: not grouped by canary
+    if tokenized:
+        start = added_bos(tokenizer)  # a row starts as the tokenizer starts a text
+        ids = [[*start, *c.token_ids] for c in copies]
+        filled = {"input_ids": ids, "attention_mask": [[1] * len(x) for x in ids], "labels": ids,
+                  "token_type_ids": [[0] * len(x) for x in ids]}
+        columns = {name: filled.get(name, [None] * m) for name in ds.column_names}
+    else:
+        start = []
+        columns = {name: [None] * m for name in ds.column_names} | {text_field: [c.text for c in copies]}
+    extra = Dataset.from_dict(columns, features=ds.features)
     order = np.empty(n + m, dtype=np.int64)
     original = np.ones(n + m, dtype=bool)
     original[at] = False
     order[original] = np.arange(n)
     order[at] = n + np.arange(m)
     for row, c in zip(at, copies):
-        c.placements.append(Placement(seq_index=int(row), offset=0))
+        c.placements.append(Placement(seq_index=int(row), offset=len(start)))
     return concatenate_datasets([ds, extra]).select(order)
 
 

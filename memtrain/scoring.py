@@ -21,11 +21,16 @@ from memtrain.data.canaries import secret_prefix_len
 from memtrain.progress import stage
 
 
+def added_bos(tok) -> list[int]:
+    """[BOS] when the tokenizer starts every text with it, else []."""
+    added = tok("a")["input_ids"]
+    return [int(tok.bos_token_id)] if tok.bos_token_id is not None and added and added[0] == tok.bos_token_id else []
+
+
 def start_ids(tok) -> list[int]:
     """The token a model from elsewhere reads before a canary: its BOS when its tokenizer adds one, else EOS."""
-    added = tok("a")["input_ids"]
-    if tok.bos_token_id is not None and added and added[0] == tok.bos_token_id:
-        return [int(tok.bos_token_id)]
+    if bos := added_bos(tok):
+        return bos
     if tok.eos_token_id is not None:
         return [int(tok.eos_token_id)]
     raise ValueError("the tokenizer has neither a BOS it adds nor an EOS: a canary's first token would have no "

@@ -1,9 +1,13 @@
 """The library API: `inject` places every copy where its manifest says, in a Dataset (text or tokenized) and in a
 token stream, the same for the same seed."""
 
+import copy
+
 import numpy as np
 import pytest
 from datasets import Dataset
+from tokenizers.processors import TemplateProcessing
+from transformers import DataCollatorWithPadding
 
 from memtrain.api import inject
 from memtrain.data import train_bpe
@@ -31,11 +35,44 @@ def test_dataset_rows_hold_their_canaries(tok):
     assert inject(ds, ROWS, tok, copies=[2], seed=2)[0]["text"] != out["text"]
 
 
-def test_tokenized_dataset_gets_ids(tok):
-    ds = Dataset.from_dict({"input_ids": [[5, 6, 7]] * 10})
+def test_copies_of_different_canaries_are_interleaved(tok):
+    """Which copy goes to which drawn row is random too: otherwise every copy of the first canary would precede
+    every copy of the second, and the training order would stand for the canary (measured as an order effect)."""
+    ds = Dataset.from_dict({"text": [f"document {i}" for i in range(50)]})
+    grouped = []
+    for seed in range(10):  # 3 copies of "a" all before 2 of 9: 1 draw in 10 by chance, 10 seeds 1 in 10^10
+        out, manifest = inject(ds, ROWS, tok, copies=[2], seed=seed)
+        rows = {c["id"]: [p["seq_index"] for p in c["placements"]] for c in manifest}
+        grouped.append(max(rows["a"]) < min(rows[9]))
+    assert not all(grouped)
+
+
+def _adds_bos(tok):
+    tok = copy.deepcopy(tok)
+    tok.add_special_tokens({"bos_token": "<s>"})
+    tok._tokenizer.post_processor = TemplateProcessing(single="<s> $A", special_tokens=[("<s>", tok.bos_token_id)])
+    return tok
+
+
+@pytest.mark.parametrize("bos", [False, True], ids=["no-bos", "bos"])
+def test_tokenized_dataset_gets_rows_as_the_tokenizer_makes_them(tok, bos):
+    """A copy's row is what tokenizing its text gives (the BOS first when the tokenizer adds one) with an attention
+    mask of ones and labels, so a standard collator pads it with the others."""
+    tok = _adds_bos(tok) if bos else tok
+    ds = Dataset.from_dict({"text_ids": [0] * 10, "input_ids": [tok("some text")["input_ids"]] * 10,
+                            "attention_mask": [[1] * len(tok("some text")["input_ids"])] * 10,
+                            "labels": [tok("some text")["input_ids"]] * 10})
     out, manifest = inject(ds, ROWS, tok, copies=[1])
+    start = [tok.bos_token_id] if bos else []
     for c in manifest:
-        assert all(out[p["seq_index"]]["input_ids"] == c["token_ids"] for p in c["placements"])
+        for p in c["placements"]:
+            row = out[p["seq_index"]]
+            assert row["input_ids"] == row["labels"] == [*start, *c["token_ids"]] and p["offset"] == len(start)
+            assert row["attention_mask"] == [1] * len(row["input_ids"]) and row["text_ids"] is None
+    tok = copy.deepcopy(tok)
+    tok.pad_token = tok.eos_token
+    batch = DataCollatorWithPadding(tok)([{k: r[k] for k in ("input_ids", "attention_mask")} for r in out])
+    assert batch["attention_mask"].sum() == sum(len(r) for r in out["input_ids"])  # None would not collate
 
 
 def test_stream_copies_start_after_an_eos(tok):
