@@ -215,6 +215,18 @@ def occurrences(tokens: np.ndarray, ids: list[int]) -> list[int]:
     return found
 
 
+def _check_ids(canaries: list[Canary], file: str) -> None:
+    """Every result is keyed by id (a twin's by id + "-twin"): a file's id that a generated canary or twin also
+    has would merge the two."""
+    seen: set[str] = set()
+    for c in canaries:
+        for name in (str(c.id), f"{c.id}-twin") if c.twin_token_ids else (str(c.id),):
+            if name in seen:
+                raise ValueError(f"canaries.file {file!r}: id {name!r} is also a generated canary's (or twin's): "
+                                 "give that line another id, or another kind than 'random' and 'document'")
+            seen.add(name)
+
+
 def build_stream(data_cfg: DataConfig, canary_cfg: CanaryConfig | None = None, seed: int = 0,
                  batch_size: int = 1) -> TrainStream:
     """Build (or load from cache) the training stream for these configs and seed, its rows a whole number of
@@ -282,6 +294,7 @@ def _write_stream(folder: Path, data_cfg: DataConfig, canary_cfg: CanaryConfig, 
         held.update(used)
     if canary_cfg.file is not None:
         canaries += canary_file.to_canaries(canary_file.read(canary_cfg.file), tok, canary_cfg.file, canary_cfg.copies)
+        _check_ids(canaries, canary_cfg.file)
     for c in canaries:
         if len(c.token_ids) > S - 1 or len(c.twin_token_ids) > S - 1:
             L = max(len(c.token_ids), len(c.twin_token_ids))

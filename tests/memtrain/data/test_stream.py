@@ -268,6 +268,17 @@ def test_last_steps_follow_the_batches_a_run_took(data_cfg):
 
 
 
+@pytest.mark.parametrize("row, taken", [({"text": "a canary of my own", "kind": "document"}, "document-0002"),
+                                        ({"text": "a canary of my own", "id": "random-0002-twin"}, "random-0002-twin")])
+def test_a_file_canary_cannot_take_a_generated_canarys_id(data_cfg, tmp_path, row, taken):
+    """Results are keyed by id: a file line's default id (its kind and line number) or its own may not be one a
+    generated canary or twin has, or the two would be counted as one."""
+    path = tmp_path / "mine.jsonl"
+    path.write_text(json.dumps({"text": "first line"}) + "\n" + json.dumps(row) + "\n")
+    with pytest.raises(ValueError, match=f"id '{taken}' is also a generated canary's .*give that line another id"):
+        build_stream(data_cfg, replace(CANARIES, file=str(path)), seed=0)
+
+
 @pytest.mark.parametrize("damage", ["meta.json", "canaries.json", "tokens.npy"])
 def test_a_damaged_cached_stream_is_named_with_the_fix(data_cfg, tmp_path, damage):
     cfg = replace(data_cfg, cache_dir=str(tmp_path))
