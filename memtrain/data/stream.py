@@ -242,6 +242,7 @@ def build_stream(data_cfg: DataConfig, canary_cfg: CanaryConfig | None = None, s
         spec["text_piece_tokens"] = data_cfg.text_piece_tokens
     if canary_cfg.file is not None:  # the path alone would let an edited file come back from the cache
         spec["canaries_file_sha256"] = canary_file.file_digest(canary_cfg.file)
+        spec["canaries_file_texts_held"] = True  # streams before it trained documents holding a file's texts
     if batch_size > 1:  # batch 1 keeps the keys streams had before rows were rounded
         spec["rows_multiple"] = batch_size
     key = _hash(spec)
@@ -293,8 +294,13 @@ def _write_stream(folder: Path, data_cfg: DataConfig, canary_cfg: CanaryConfig, 
         canaries += doc_canaries
         held.update(used)
     if canary_cfg.file is not None:
-        canaries += canary_file.to_canaries(canary_file.read(canary_cfg.file), tok, canary_cfg.file, canary_cfg.copies)
+        mine = canary_file.to_canaries(canary_file.read(canary_cfg.file), tok, canary_cfg.file, canary_cfg.copies)
+        canaries += mine
         _check_ids(canaries, canary_cfg.file)
+        # A document holding a file canary's text would train it more often than its copies, one holding a twin
+        # would train the control: held out, as document canaries' sources are.
+        texts = [t for c in mine for t in (c.text, c.twin_text) if t]
+        held.update(i for i in rest if any(t in corpus.docs[i].text for t in texts))
     for c in canaries:
         if len(c.token_ids) > S - 1 or len(c.twin_token_ids) > S - 1:
             L = max(len(c.token_ids), len(c.twin_token_ids))

@@ -15,6 +15,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 from memtrain.data import CanaryConfig, DataConfig, TrainStream, build_stream, locate  # noqa: E402
+from memtrain.data.corpus import load_corpus  # noqa: E402
 from memtrain.losses import IGNORE_INDEX, LossConfig, keep_mask  # noqa: E402
 
 CANARIES = CanaryConfig(number=4, copies=[1, 2, 3, 5], length=24, seed=0)
@@ -277,6 +278,19 @@ def test_a_file_canary_cannot_take_a_generated_canarys_id(data_cfg, tmp_path, ro
     path.write_text(json.dumps({"text": "first line"}) + "\n" + json.dumps(row) + "\n")
     with pytest.raises(ValueError, match=f"id '{taken}' is also a generated canary's .*give that line another id"):
         build_stream(data_cfg, replace(CANARIES, file=str(path)), seed=0)
+
+
+def test_a_corpus_document_holding_a_file_canary_or_its_twin_is_not_trained(data_cfg, tmp_path):
+    """A file's canary is trained its copies' times and its twin never, even where the corpus itself holds them:
+    such documents are held out."""
+    docs = load_corpus(data_cfg).docs
+    canary, twin = docs[3].text[100:250], docs[5].text[100:250]
+    path = tmp_path / "mine.jsonl"
+    path.write_text(json.dumps({"id": "mine", "text": canary, "twin": twin, "copies": 2}) + "\n")
+    s = build_stream(data_cfg, replace(CANARIES, file=str(path)), seed=0)
+    (c,) = [c for c in s.canaries if c.id == "mine"]
+    trained = s.tokenizer.decode(s.tokens[s.tokens >= 0])
+    assert twin not in trained and trained.count(canary) == len(c.placements) == 2
 
 
 @pytest.mark.parametrize("damage", ["meta.json", "canaries.json", "tokens.npy"])
