@@ -300,8 +300,9 @@ def _scored(logits_fn, device, token_lists, batch_size, with_stats, pad_id) -> S
         target = logp.gather(-1, ids[:, 1:, None]).squeeze(-1).double().cpu().numpy()
         if with_stats:
             p = logp.exp()
-            mu = (p * logp).sum(-1)
-            sigma = (p * (logp - mu[..., None]).square()).sum(-1).sqrt()
+            real = logp > float("-inf")  # a token the model rules out (-inf logit): p = 0, and 0 * inf is nan
+            mu = torch.where(real, p * logp, 0.0).sum(-1)
+            sigma = torch.where(real, p * (logp - mu[..., None]).square(), 0.0).sum(-1).sqrt()
             mu, sigma = mu.double().cpu().numpy(), sigma.double().cpu().numpy()
         for row, i in enumerate(idx):  # one copy to the host per batch, not per row
             k = lengths[row] - 1

@@ -78,7 +78,7 @@ class SlotSpace:
 @dataclass
 class ExposureResult:
     exposure: float
-    method: str  # "exact", "skewnorm" or "normal"
+    method: str  # "exact", "skewnorm", "normal", or "empirical" (a sample without spread: nothing to fit)
     log_perplexity: float  # Px of the true secret, bits
     space_size: int
     n_scored: int  # candidates scored (all of R when exact)
@@ -162,6 +162,8 @@ def exposure(model, prefix: Sequence[int], candidates_fn: Callable[[Sequence[int
 
     if n_samples < 1:
         raise ValueError(f"n_samples={n_samples}: the estimate needs sampled candidates, at least 1")
+    if fit not in ("skewnorm", "normal"):
+        raise ValueError(f"unknown fit {fit!r} (skewnorm or normal)")
     if true_tokens is None:
         true_tokens = candidates_fn([true_index])[0]
     rng = random.Random(seed)  # Python ints: spaces larger than 2^63 are fine
@@ -176,15 +178,15 @@ def exposure(model, prefix: Sequence[int], candidates_fn: Callable[[Sequence[int
     px, sample = float(scores[0]), scores[1:]
     from scipy import stats  # here, not at the top: scipy.stats adds ~0.4 s to every process importing eval
 
+    empirical = min(math.log2((n_samples + 1) / (int((sample <= px).sum()) + 1)), max_bits)
+    if sample.min() == sample.max():  # every candidate equally likely: no spread to fit, the counts alone
+        return ExposureResult(empirical, "empirical", px, space_size, n_samples, empirical_exposure=empirical)
     if fit == "skewnorm":
         params = stats.skewnorm.fit(sample)
         log_cdf = float(stats.skewnorm.logcdf(px, *params))
     elif fit == "normal":
         params = stats.norm.fit(sample)
         log_cdf = float(stats.norm.logcdf(px, *params))
-    else:
-        raise ValueError(f"unknown fit {fit!r} (skewnorm or normal)")
     est = min(max(-log_cdf / LN2, 0.0), max_bits)  # -inf log_cdf (far tail) -> cap
-    empirical = -math.log2((int((sample <= px).sum()) + 1) / (n_samples + 1))
-    return ExposureResult(est, fit, px, space_size, n_samples, empirical_exposure=min(empirical, max_bits),
+    return ExposureResult(est, fit, px, space_size, n_samples, empirical_exposure=empirical,
                           fit_params=tuple(float(p) for p in params))

@@ -83,3 +83,15 @@ def test_sequence_logprobs_and_stats_match_direct_computation():
         torch.testing.assert_close(torch.from_numpy(got.logprobs[i]), want, atol=1e-4, rtol=0)
         torch.testing.assert_close(torch.from_numpy(got.mean[i]), mu, atol=1e-4, rtol=0)
         torch.testing.assert_close(torch.from_numpy(got.std[i]), sd, atol=1e-4, rtol=0)
+
+
+def test_stats_ignore_tokens_the_model_rules_out():
+    """A -inf logit (a token the model masks) has probability 0: the Min-K%++ mean and spread are those of the
+    other tokens, not nan (0 * -inf)."""
+    logits = torch.randn(1, 6, 8, generator=torch.Generator().manual_seed(0))
+    masked = torch.cat([logits, torch.full((1, 6, 1), float("-inf"))], dim=-1)
+    seqs = [[1, 2, 3, 4, 5, 6]]
+    want = sequence_logprobs(lambda ids: logits, seqs, with_stats=True)
+    got = sequence_logprobs(lambda ids: masked, seqs, with_stats=True)
+    for a, b in ((got.logprobs, want.logprobs), (got.mean, want.mean), (got.std, want.std)):
+        torch.testing.assert_close(torch.from_numpy(a[0]), torch.from_numpy(b[0]), atol=1e-6, rtol=0)

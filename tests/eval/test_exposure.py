@@ -62,6 +62,16 @@ def test_sampled_estimate_tracks_exact_on_an_untrained_model():
         assert abs(est.exposure - exact.exposure) < 1.5, (secret, exact.exposure, est.exposure)
 
 
+def test_candidates_all_equally_likely_give_the_counts_alone():
+    """A model that does not tell the candidates apart (uniform logits) leaves no spread to fit: the estimate is
+    the sample's count (0 bits here, every candidate ties with the secret), not a failed or nan fit."""
+    space = SlotSpace(n_slots=3, alphabet=[[200 + d] for d in range(10)])
+    for fit in ("skewnorm", "normal"):
+        est = exposure(lambda ids: torch.zeros(*ids.shape, 256), PREFIX, space.render, space.size, true_index=5,
+                       exact_limit=0, n_samples=50, fit=fit)
+        assert (est.method, est.exposure, est.empirical_exposure, est.fit_params) == ("empirical", 0.0, 0.0, None)
+
+
 def test_needs_true_secret():
     with pytest.raises(ValueError):
         exposure(tiny_model(), PREFIX, SPACE.render, SPACE.size)
