@@ -99,7 +99,8 @@ class PointLife:
         with self._lock:
             append_jsonl(self.results, record)
             if record["status"] != "ok":
-                self.failed.append(pid)
+                if pid not in self.failed:  # a cluster job collected failed, submitted again and failed again
+                    self.failed.append(pid)
             elif pid in self.failed:  # failed, then collected again and ok (cluster sweeps)
                 self.failed.remove(pid)
         if record["status"] == "ok":

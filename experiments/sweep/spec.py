@@ -195,6 +195,9 @@ def _pretrain_spec(raw: dict, source: str) -> PretrainSpec:
             what = "an integer" if kind is int else "a finite number"
             raise ValueError(f"sweep spec {source}: pretrain.{key}={value!r} is invalid: use {what} in "
                              f"{'(' if key == 'lr' else '['}{low}, {bounds.shown(high)}]" + " or none" * optional)
+    if p.min_lr is not None and p.min_lr > p.lr:  # each point's base model would fail on it, one by one
+        raise ValueError(f"sweep spec {source}: pretrain.min_lr={p.min_lr!r} exceeds pretrain.lr={p.lr!r}: the "
+                         "cosine decays from lr to min_lr; use a min_lr of at most lr")
     if not isinstance(p.corpus, str) or not p.corpus.strip():
         raise ValueError(f"sweep spec {source}: pretrain.corpus={p.corpus!r} is invalid: use 'disjoint', 'same' or "
                          "a data.corpus value")
@@ -287,7 +290,8 @@ def label(key: str, value) -> str:
         text = str(value).rstrip("/").rsplit("/", 1)[-1]
     else:
         text = f"{sub or key}{_fmt(value)}"
-    return re.sub(r"[^A-Za-z0-9._=-]+", "-", text).strip("-") or "x"
+    text = re.sub(r"[^A-Za-z0-9._=-]+", "-", text).strip("-")
+    return text if text.strip(".") else "x"  # never "." or "..": a point's directory is out / id
 
 
 def _fmt(v) -> str:
@@ -310,7 +314,7 @@ def expand(spec: Spec, overrides: list[str] | None = None, wandb_mode: str | Non
     combos: list[list[tuple[str, object]]] = [[]]
     for key, values in axes:
         combos = [c + [(key, v)] for c in combos for v in values]
-    points, seen = [], {}
+    points, seen, ids = [], {}, {}
     for combo in combos:
         raw = copy.deepcopy(base)
         for key, value in combo:
@@ -330,8 +334,12 @@ def expand(spec: Spec, overrides: list[str] | None = None, wandb_mode: str | Non
             cfg = from_dict(raw)
         except (ValueError, TypeError) as e:
             raise ValueError(f"sweep point {pid!r} has an invalid config: {e}") from None
-        points.append(Point(id=pid, axes={AXIS_ALIASES.get(k, k): v for k, v in combo}, cfg=cfg,
-                            digest=_digest(cfg, spec.pretrain)))
+        digest = _digest(cfg, spec.pretrain)
+        if digest in ids:  # the report would count one run's canaries twice
+            raise ValueError(f"sweep points {ids[digest]!r} and {pid!r} are the same run (an axis repeats a value, "
+                             f"or two axes set the same key: {dict(combo)}): remove the repeat")
+        ids[digest] = pid
+        points.append(Point(id=pid, axes={AXIS_ALIASES.get(k, k): v for k, v in combo}, cfg=cfg, digest=digest))
     return points
 
 

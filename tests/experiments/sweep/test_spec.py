@@ -46,6 +46,26 @@ def test_seeds_named_axes_and_bad_specs():
         specs.load_spec("no-such-preset")
 
 
+def test_a_point_id_is_never_a_directory_above_its_own():
+    """A point's run directory is the sweep's directory / its id: an axis value whose label is "." or ".." (a path
+    ending in a dot) would make it the sweep's own directory, or its parent, which a fresh point clears."""
+    spec = specs.parse_spec({"sweep": {"name": "s"}, "axes": {"data.corpus": ["stdlib", "./", "corpora/x/.."]}})
+    assert [p.id for p in specs.expand(spec)] == ["stdlib", "x", "x_1"]
+
+
+def test_the_same_run_twice_is_refused():
+    """Two points of one config (a repeated axis value, or the seeds axis beside train.seed) would each be counted
+    by the report: refused, naming both."""
+    for axes in ({"seeds": [1, 2, 1]}, {"seeds": [1, 2], "train.seed": [3]}):
+        with pytest.raises(ValueError, match=r"sweep points '\w+' and '\w+' are the same run .*remove the repeat"):
+            specs.expand(specs.parse_spec({"sweep": {"name": "s"}, "axes": axes}))
+
+
+def test_a_pretraining_schedule_that_rises_is_refused_before_any_point_runs():
+    with pytest.raises(ValueError, match=r"pretrain.min_lr=0.01 exceeds pretrain.lr=0.001"):
+        specs.parse_spec({"sweep": {"name": "s"}, "pretrain": {"lr": 0.001, "min_lr": 0.01}, "axes": {"seeds": [1]}})
+
+
 @pytest.mark.parametrize("name", specs.presets())
 def test_presets_parse(name):
     assert set(specs.presets()) >= {"quick", "extreme", "goldfish-k", "paper"}
