@@ -178,7 +178,7 @@ def exposure(model, prefix: Sequence[int], candidates_fn: Callable[[Sequence[int
     px, sample = float(scores[0]), scores[1:]
     from scipy import stats  # here, not at the top: scipy.stats adds ~0.4 s to every process importing eval
 
-    empirical = min(math.log2((n_samples + 1) / (int((sample <= px).sum()) + 1)), max_bits)
+    empirical = min(abs(-math.log2((int((sample <= px).sum()) + 1) / (n_samples + 1))), max_bits)  # abs: not -0.0
     if sample.min() == sample.max():  # every candidate equally likely: no spread to fit, the counts alone
         return ExposureResult(empirical, "empirical", px, space_size, n_samples, empirical_exposure=empirical)
     if fit == "skewnorm":
