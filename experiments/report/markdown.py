@@ -25,6 +25,7 @@ from .aggregate import (
     f,
     final_exact,
     human,
+    left_out_line,
     loss_of,
     lr_sweep,
     ok_rows,
@@ -134,6 +135,7 @@ def _trend_lines(s: dict) -> list[str]:
              "slope only."]
     if s["seeds"] == 1:
         lines.append("One seed: these intervals resample its canaries only; run-to-run variance is not in them.")
+    lines += left_out_line(s["seeds_left_out"])
     if band is None:
         return lines
     if band["band"]:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from .aggregate import THRESHOLD, f, human, loss_of, loss_order, ok_rows
+from .aggregate import THRESHOLD, f, human, loss_of, loss_order, ok_rows, paired_rows
 from .crossing import extrapolation_band, loglog_slope, size_trend
 from .figure_files import save_figure, write_csv
 
@@ -40,14 +40,13 @@ def kinds(rows: list[dict]) -> list[str]:
 
 
 def units(rows: list[dict], loss: str, kind: str | None = None) -> tuple[list[dict], dict[str, float]]:
-    """One unit per (seed, canary, pass >= 1) of the runs with this loss (one kind, or all): dose = pass, per model
+    """One unit per (seed, canary, pass >= 1) of the runs with this loss (one kind, or all) whose seed ran at every
+    size (aggregate.paired_rows): dose = pass, per model
     the canary's exact match after that pass (0/1), and "canary" = its id, so that a bootstrap draws the canary's
     whole curve. A seed's canaries are the same at every size (paired). And the models' parameters, by size."""
     table: dict = {}
     sizes: dict[str, float] = {}
-    for r in ok_rows(rows):
-        if loss_of(r) != loss:
-            continue
+    for r in paired_rows(rows, loss)[0]:
         model, seed = str(r.get("model")), r.get("seed")
         for p in r.get("passes") or []:
             cols, n = p.get("canaries"), p.get("pass")
@@ -78,7 +77,7 @@ def numbers(rows: list[dict]) -> dict:
                 continue
             seeds = {u["seed"] for u in us}
             out.setdefault(kind, {})[loss] = {
-                "sizes": sizes, "seeds": len(seeds),
+                "sizes": sizes, "seeds": len(seeds), "seeds_left_out": paired_rows(rows, loss)[1],
                 "canaries": len({(u["seed"], u["canary"]) for u in us}) // len(seeds),
                 "passes": max(u["dose"] for u in us),
                 "trend": size_trend(us, sizes, THRESHOLD, log=False, n_boot=N_BOOT),

@@ -21,7 +21,7 @@ from collections import defaultdict
 
 import numpy as np
 
-from .aggregate import f, loss_of, loss_order, ok_rows
+from .aggregate import f, loss_of, loss_order, ok_rows, paired_rows
 from .crossing import bootstrap, cells_of, extrapolation_band, size_trend
 from .stats import wilson
 
@@ -48,14 +48,12 @@ def _drops(before: dict, after: dict, key: str) -> dict[str, float]:
 
 
 def units(rows: list[dict], loss: str) -> tuple[list[dict], dict[str, float]]:
-    """One unit per (seed, canary) of the runs with this loss: its copies seen ("dose"), and per model its exact
-    match ("<model>") and twin-controlled drops ("<model>/drop", "/drop_dropped", "/drop_kept"). And the models'
-    parameters."""
+    """One unit per (seed, canary) of the runs with this loss whose seed ran at every size (aggregate.paired_rows):
+    its copies seen ("dose"), and per model its exact match ("<model>") and twin-controlled drops ("<model>/drop",
+    "/drop_dropped", "/drop_kept"). And the models' parameters."""
     table: dict = {}
     sizes: dict[str, float] = {}
-    for r in ok_rows(rows):
-        if loss_of(r) != loss:
-            continue
+    for r in paired_rows(rows, loss)[0]:
         model, seed = str(r.get("model")), r.get("seed")
         sizes[model] = f(r.get("params")) or 0.0
         for c in r.get("canaries") or []:
@@ -115,7 +113,8 @@ def dose_response(rows: list[dict]) -> dict[str, dict]:
                 curves[m].insert(0, (0, base[m][0] / base[m][1], *wilson(*base[m]), *base[m]))
         trend = size_trend(us, sizes, 0.5, n_boot=N_BOOT) if len(sizes) >= 2 else None
         band = extrapolation_band(us, sizes, n_boot=N_BOOT // 4) if len(sizes) >= 2 else None
-        out[loss] = {"curves": curves, "sizes": sizes, "trend": trend, "band": band}
+        out[loss] = {"curves": curves, "sizes": sizes, "trend": trend, "band": band,
+                     "seeds_left_out": paired_rows(rows, loss)[1]}
     return out
 
 

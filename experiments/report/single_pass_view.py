@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from .aggregate import human
+from .aggregate import human, left_out_line
 from .crossing import slope_label
 from .figure_files import save_figure as _save
 from .figure_files import write_csv as _csv
@@ -212,7 +212,7 @@ def section(nums: dict) -> list[str]:
         slope = slope_label(trend)
         lines += ["", f"Power law copies-to-50% ~ N^slope: slope {slope}, 95% interval "
                   f"[{_bound(lo)}, {_bound(hi)}] ({trend['replicates_censored']} of {N_BOOT} bootstrap replicates "
-                  "had a censored size and bound the slope only)."]
+                  "had a censored size and bound the slope only).", *left_out_line(d["seeds_left_out"])]
         band = d["band"]
         if band and band["band"]:
             lines.append(f"A multi-exposure extrapolation, labelled as such: the size at which 1 copy would reach "

@@ -119,6 +119,24 @@ def test_the_report_leads_with_the_single_pass_section_and_writes_csv_pdf_svg(ro
     assert not (tmp_path / "figures" / "exact_match_vs_passes.png").exists()  # one pass: no curve over passes
 
 
+def test_a_failed_run_leaves_its_seed_out_of_the_studies_and_the_report_is_made(rows, tmp_path):
+    """Seed 2's large run failed: its seed has no data at that size, and a bootstrap sample drawing only it would
+    have none there. The studies keep the seeds run at every size, say which they left out, and the report is
+    written."""
+    import json
+
+    broken = [dict(r, status="failed", eval=None) if (r["model"], r["loss"], r["seed"]) == ("large", "standard", 2)
+              else r for r in rows]
+    us, _ = units(broken, "standard")
+    assert {u["seed"] for u in us} == {1, 3}
+    assert {(r["loss"], r["model"]): r["seeds"] for r in one_exposure(broken)}[("standard", "large")] == 2
+    d = dose_response(broken)
+    assert d["standard"]["seeds_left_out"] == [2] and d["goldfish k=4"]["seeds_left_out"] == []
+    (tmp_path / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in broken))
+    text = build_report(tmp_path)["report"].read_text()
+    assert "Seeds left out: 2 (a run at some size failed" in text
+
+
 def test_goldfish_canaries_given_back_are_listed_with_the_suffix_targets_their_mask_dropped():
     from experiments.report.single_pass_view import numbers, summary
 
