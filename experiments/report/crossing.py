@@ -151,6 +151,15 @@ def percentile_interval(values: Sequence[float], level: float = 0.95) -> tuple[f
     return float(v[lo_i]), float(v[hi_i])
 
 
+def unknown_interval(values: Sequence[float], known: Sequence[bool], level: float = 0.95) -> tuple[float, float]:
+    """The percentile interval of replicates of which some are unknown (a censored size leaves their value
+    anywhere): each end counts the unknown ones as lying beyond it, so it stays finite only while they fit in its
+    tail, and dropping them never narrows it."""
+    lo = percentile_interval([v if k else -math.inf for v, k in zip(values, known)], level)[0]
+    hi = percentile_interval([v if k else math.inf for v, k in zip(values, known)], level)[1]
+    return lo, hi
+
+
 def bootstrap(units: Sequence[Unit], stat: Callable[[Sequence[Unit]], float], n_boot: int = 1000,
               seed: int = 0) -> tuple[float, float]:
     """95% cluster-bootstrap interval of `stat` (a statistic of a sample of units; +-inf for a bound)."""
@@ -222,24 +231,24 @@ def size_trend(units: Sequence[Unit], sizes: dict[str, float], threshold: float,
 
     point = crossings(np.arange(len(units)))
     reps = [crossings(idx) for idx in _draws(units, n_boot, seed)]
-    slopes = [(f[0] if (f := fit_of(cr)) else math.nan) for cr in reps]
-    finite = [s for s in slopes if math.isfinite(s)]
-    unbounded = len(slopes) - len(finite)
-    # a replicate with a censored size bounds the slope without giving it: report a side only while such
-    # replicates fit in that side's 2.5% tail, or, where all of them bound it the same way, that way's end
-    slope_ci = percentile_interval(finite) if finite and unbounded <= 0.025 * len(slopes) else (-math.inf, math.inf)
-    if slope_ci == (-math.inf, math.inf) and finite != slopes:
-        slope_ci = _one_sided(slopes, [bound_of(cr) if not math.isfinite(s) else None for s, cr in zip(slopes, reps)])
-    one = [solve_for_x(fit_of(cr), 1.0) for cr in reps]
+    fits = [fit_of(cr) for cr in reps]  # None: a size censored in that replicate
+    slopes = [f[0] if f else math.nan for f in fits]
+    known = [f is not None for f in fits]
+    # a replicate with a censored size bounds the slope without giving it: each end stays finite only while such
+    # replicates fit in its 2.5% tail, or, where all of them bound the slope the same way, on that way's side
+    slope_ci = unknown_interval(slopes, known)
+    if slope_ci == (-math.inf, math.inf) and not all(known):
+        slope_ci = _one_sided(slopes, [bound_of(cr) if f is None else None for f, cr in zip(fits, reps)])
+    one = [solve_for_x(f, 1.0) for f in fits]
     fit = fit_of(point)
     return {
         "threshold": threshold,
         "sizes": {k: {"params": sizes[k], "crossing": point[k],
                       "interval": percentile_interval([cr[k].as_number() for cr in reps])} for k in sizes},
-        "slope": fit[0] if fit else None, "slope_interval": slope_ci, "replicates_censored": unbounded,
+        "slope": fit[0] if fit else None, "slope_interval": slope_ci, "replicates_censored": known.count(False),
         "slope_bound": None if fit else bound_of(point),
         "dose_one_params": solve_for_x(fit, 1.0) if fit else math.inf,
-        "dose_one_interval": percentile_interval(one),
+        "dose_one_interval": unknown_interval(one, known),
     }
 
 

@@ -19,6 +19,7 @@ from experiments.report.crossing import (
     size_trend,
     slope_label,
     solve_for_x,
+    unknown_interval,
 )
 
 
@@ -109,6 +110,18 @@ def test_censored_sizes_bound_the_slope_on_one_side_only():
     assert bounded_slope(xs, [Crossing(None, above=64.0), *exact[1:3], Crossing(None, above=2.0)]) is None
     middle = [Crossing(8.0), Crossing(None, above=8.0), Crossing(2.0)]
     assert bounded_slope([1e5, 1e6, 1e7], middle) is None  # at the mean of log x: no side
+
+
+def test_censored_replicates_widen_an_interval_and_never_narrow_it():
+    """A replicate with a censored size has no value, and may lie anywhere: each end counts such replicates beyond
+    it. Up to 24 of 1000 fit in a 2.5% tail (the ends stay finite, but move out); 25 reach each end."""
+    values = [float(v) for v in range(1000)]
+    assert unknown_interval(values, [True] * 1000) == percentile_interval(values) == (24.0, 975.0)
+    known = [True] * 976 + [False] * 24  # the replicates 976..999 were censored
+    lo, hi = unknown_interval(values, known)
+    dropped = percentile_interval(values[:976])
+    assert lo == 0.0 < dropped[0] and hi == 975.0 > dropped[1]  # dropping them would narrow both ends
+    assert unknown_interval(values, [True] * 975 + [False] * 25) == (-math.inf, math.inf)
 
 
 def test_size_trend_known_answer_and_censored_sizes():
