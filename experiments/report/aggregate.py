@@ -47,15 +47,16 @@ def ok_rows(rows):
 
 
 def paired_rows(rows: list[dict], loss: str) -> tuple[list[dict], list]:
-    """The ok runs with this loss of the seeds that have one at every size, and the seeds left out. A seed's
+    """The ok runs with this loss of the seeds that have exactly one at every size, and the seeds left out. A seed's
     canaries are the same at every size and the studies' bootstrap draws whole seeds across sizes: a seed whose
-    run at some size failed (or is missing) would leave that size without data in the samples that draw it."""
+    run at some size failed (or is missing) would leave that size without data in the samples that draw it, and
+    one with several runs at a size (another axis, e.g. train.lr_scale) would have them stand for one another."""
     ok = [r for r in ok_rows(rows) if loss_of(r) == loss]
     models = {str(r.get("model")) for r in ok}
-    by_seed: dict = defaultdict(set)
+    by_seed: dict = defaultdict(list)
     for r in ok:
-        by_seed[r.get("seed")].add(str(r.get("model")))
-    kept = {seed for seed, ms in by_seed.items() if ms == models}
+        by_seed[r.get("seed")].append(str(r.get("model")))
+    kept = {seed for seed, ms in by_seed.items() if sorted(ms) == sorted(models)}
     tried = {r.get("seed") for r in rows if loss_of(r) == loss}
     return [r for r in ok if r.get("seed") in kept], sorted(tried - kept, key=str)
 
@@ -64,8 +65,9 @@ def left_out_line(seeds: list) -> list[str]:
     """The report's sentence naming the seeds paired_rows left out, if any."""
     if not seeds:
         return []
-    return [f"Seeds left out: {', '.join(map(str, seeds))} (a run at some size failed or is missing; the intervals "
-            "draw whole seeds across sizes, so only seeds run at every size count)."]
+    return [f"Seeds left out: {', '.join(map(str, seeds))} (a run at some size failed or is missing, or several "
+            "runs share a size; the intervals draw whole seeds across sizes, so only seeds run once at every size "
+            "count)."]
 
 
 def _size_key(r):

@@ -42,6 +42,17 @@ def test_units_are_one_per_seed_canary_and_pass_with_the_canary_as_cluster():
     assert passes.units(rows, "standard", kind="document") == ([], {})
 
 
+def test_seeds_not_run_once_at_every_size_are_left_out_and_named():
+    """Seed 2 failed at the large size; seed 3 ran the small size twice (another axis, e.g. train.lr_scale): their
+    runs cannot be paired across sizes, so the study keeps seed 1 and names 2 and 3."""
+    rows = _rows({"small": (1e5, lambda i: 8), "large": (4e6, lambda i: 2)})
+    rows = [dict(r, status="failed") if (r["model"], r["seed"]) == ("large", 2) else r for r in rows]
+    rows.append(_record("small", 1e5, "standard", 3, lambda i: 4))
+    study = passes.numbers(rows)[None]["standard"]
+    assert study["seeds"] == 1 and study["seeds_left_out"] == [2, 3]
+    assert {u["seed"] for u in passes.units(rows, "standard")[0]} == {1}
+
+
 def test_identical_canaries_give_the_crossing_exactly_and_a_bounded_band():
     # every canary turns exact at pass 8 (small) or 2 (large): 0 -> 100% between passes 7 and 8, so the crossing
     # of q is at 7 + q (1 + q for large); no canary differs from another, so every interval has zero width
