@@ -185,6 +185,12 @@ def final_exact(rows, block: str | None = None, kind: str | None = None):
     return pooled(rows, pick)
 
 
+def twin_exact(rows):
+    """The control beside every exact-match figure: pooled final exact match of the never-trained twins (eval.twins),
+    the rate at which a model gives back text it never saw."""
+    return pooled(rows, lambda r: _counts((r.get("eval") or {}).get("twins")))
+
+
 # ---------------------------------------------------------------------------------------------------
 # Memorization as a function of passes (passes.jsonl of runs with eval.every_pass).
 

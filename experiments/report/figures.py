@@ -1,8 +1,9 @@
 """The figures of a sweep report (matplotlib Agg, colour-blind palette), drawn from result records alone: each as
 PNG, PDF and SVG, with the numbers it draws as a CSV of the same name.
 
-Exact-match rates are pooled over seeds with 95% Wilson intervals (n = canaries x seeds, in the legend);
-other metrics average the seeds, bars spanning their min and max.
+Exact-match rates are pooled over seeds with 95% Wilson intervals (n = canaries x seeds, in the legend), the
+never-trained twins' rate beside them as the control (grey); other metrics average the seeds, bars spanning their
+min and max.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from .aggregate import (
     models_by_size,
     ok_rows,
     series,
+    twin_exact,
 )
 from .figure_files import save_figure, write_csv
 from .passes import fig_threshold
@@ -97,16 +99,29 @@ def _empty(fig, ax, text):
     ax.set_yticks([])
 
 
-def fig_vs_size(rows, labels, path: Path, metric, ylabel: str, title: str, ylim=None, hline=None) -> Path:
+def _plot_controls(ax, control: dict):
+    """The never-trained twins' series beside the members', grey and dashed, a line per loss."""
+    for i, (loss, pts) in enumerate(control.items()):
+        ns = sorted({p[6] for p in pts})
+        ax.errorbar([p[0] for p in pts], [p[1] for p in pts], yerr=[[p[1] - p[2] for p in pts],
+                                                                    [p[3] - p[1] for p in pts]],
+                    color="0.55", ls="--", marker=MARKERS[i % len(MARKERS)], ms=4, capsize=2, lw=1,
+                    label=f"{loss}: never-trained twins (control, n={'/'.join(map(str, ns))})")
+
+
+def fig_vs_size(rows, labels, path: Path, metric, ylabel: str, title: str, ylim=None, hline=None,
+                control: dict | None = None) -> Path:
     """A metric vs parameters, a line per loss: `metric` is a row -> value function (seeds averaged) or the
-    precomputed series (e.g. pooled exact-match counts)."""
+    precomputed series (e.g. pooled exact-match counts); `control` the twins' series of the same metric."""
     plt = _plt()
     fig, ax = plt.subplots(figsize=(6.4, 4.4))
     data = metric if isinstance(metric, dict) else series(rows, metric)
+    control = {loss: pts for loss, pts in (control or {}).items() if pts}
     if not any(data.values()):
         _empty(fig, ax, "no finished run with this metric")
     else:
         _plot_series(ax, data, labels)
+        _plot_controls(ax, control)
         _size_axis(ax, data)
         if hline is not None:
             ax.axhline(hline[0], color="0.5", ls=":", lw=1, label=hline[1])
@@ -115,7 +130,12 @@ def fig_vs_size(rows, labels, path: Path, metric, ylabel: str, title: str, ylim=
         ax.set_ylabel(ylabel)
         ax.legend(fontsize=8)
     ax.set_title(title, fontsize=10)
-    return _save(fig, path, SERIES_CSV, _series_table(data))
+    return _save(fig, path, SERIES_CSV, _series_table(data) + _series_table(_as_twins(control)))
+
+
+def _as_twins(control: dict) -> dict:
+    """A control series keyed as its CSV rows name it."""
+    return {f"{loss} (never-trained twins)": pts for loss, pts in control.items()}
 
 
 def fig_exact_by_copies(rows, labels, path: Path) -> Path:
@@ -126,11 +146,13 @@ def fig_exact_by_copies(rows, labels, path: Path) -> Path:
     if not copies:
         _empty(fig, axes[0][0], "no per-copy results")
     table = []
+    control = {loss: pts for loss, pts in twin_exact(rows).items() if pts}  # a twin is never trained: any panel
     for ax, c in zip(axes[0], copies):
         data = final_exact(rows, block=c)
         table += _series_table(data, c)
         if any(data.values()):
             _plot_series(ax, data, labels)
+            _plot_controls(ax, control)
             _size_axis(ax, data)
         ax.set_title(f"{c} cop{'y' if c == '1' else 'ies'} seen", fontsize=10)
         ax.set_ylim(-0.03, 1.03)
@@ -140,7 +162,7 @@ def fig_exact_by_copies(rows, labels, path: Path) -> Path:
         axes[0][-1].legend(handles, names, fontsize=7)
     fig.suptitle("Exact match vs model size, by copies of the canary seen in training (copies per pass x passes)",
                  fontsize=10)
-    return _save(fig, path, ["copies", *SERIES_CSV], table)
+    return _save(fig, path, ["copies", *SERIES_CSV], table + _series_table(_as_twins(control), "any"))
 
 
 def _rouge_values(r: dict, inserted: bool) -> list[float]:
@@ -261,15 +283,26 @@ def fig_by_loss(rows, labels, path: Path) -> Path:
     table = []
     for ax, (key, name) in zip(axes[0], metrics):
         for i, model in enumerate(models):
-            xs, ys = [], []
+            xs, ys, spread, twins = [], [], [[], []], []
             for j, loss in enumerate(losses):
-                vals = [ev(r, key) for r in ok if loss_of(r) == loss and str(r.get("model")) == model]
-                a = agg(vals)
+                runs = [r for r in ok if loss_of(r) == loss and str(r.get("model")) == model]
+                a = agg([ev(r, key) for r in runs])
                 if a:
                     xs.append(j + (i - (len(models) - 1) / 2) * width)
                     ys.append(a[0])
+                    spread[0].append(a[0] - a[1])
+                    spread[1].append(a[2] - a[0])
                     table.append([key, loss, model, *a])
-            ax.bar(xs, ys, width=width * 0.95, color=cmap(i / max(1, len(models) - 1) * 0.9), label=model)
+                    control = agg([ev(r, "twins", key) for r in runs]) if key == "exact_match_rate" else None
+                    twins.append(control[0] if control else None)
+                    if control:
+                        table.append([key, f"{loss} (never-trained twins)", model, *control])
+            ax.bar(xs, ys, yerr=spread, width=width * 0.95, color=cmap(i / max(1, len(models) - 1) * 0.9),
+                   label=model, error_kw={"lw": 0.8, "capsize": 2})
+            marked = [(x, t) for x, t in zip(xs, twins) if t is not None]
+            if marked:
+                ax.plot(*zip(*marked), ls="none", marker="_", ms=9, mew=2, color="0.35",
+                        label="never-trained twins (control)" if i == 0 else None)
         ax.set_xticks(range(len(losses)))
         ax.set_xticklabels(losses, rotation=30, ha="right", fontsize=8)
         ax.set_title(name, fontsize=10)
@@ -355,7 +388,8 @@ def draw_figures(rows: list[dict], fig_dir: Path, study: dict | None = None) -> 
     labels = losses(rows)
     figs = [
         fig_vs_size(rows, labels, fig_dir / "exact_match_vs_size.png", final_exact(rows), "exact-match rate",
-                    "Exact match of inserted canaries after fine-tuning vs model size", ylim=(-0.03, 1.03)),
+                    "Exact match of inserted canaries after fine-tuning vs model size", ylim=(-0.03, 1.03),
+                    control=twin_exact(rows)),
         fig_exact_by_copies(rows, labels, fig_dir / "exact_match_by_copies.png"),
         fig_rouge(rows, labels, fig_dir / "rougeL_distribution.png"),
         fig_exposure(rows, labels, fig_dir / "exposure_vs_copies.png"),

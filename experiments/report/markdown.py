@@ -30,6 +30,7 @@ from .aggregate import (
     lr_sweep,
     ok_rows,
     supervised_token_cost,
+    twin_exact,
 )
 from .crossing import slope_label
 from .passes import N_BOOT, bound
@@ -99,7 +100,7 @@ def _passes_section(rows: list[dict], kind: str | None, study: dict) -> list[str
                   "not estimated: without them there is no interval over canaries to give.", ""]
     for loss, by_model in data.items():
         s = study.get(loss)
-        show = sorted({1, max(1, n_pass // 4), max(1, n_pass // 2), max(1, 3 * n_pass // 4), n_pass})
+        show = sorted({0, 1, max(1, n_pass // 4), max(1, n_pass // 2), max(1, 3 * n_pass // 4), n_pass})
         table = []
         for model, c in by_model.items():
             at = {pt[0]: pt for pt in c["passes"]}
@@ -108,7 +109,8 @@ def _passes_section(rows: list[dict], kind: str | None, study: dict) -> list[str
                           _interval(*cross["interval"], s["passes"]) if cross else "-",
                           *(_rate((at[p][1], at[p][2], at[p][3], at[p][4], at[p][5])) if p in at else "-"
                             for p in show)])
-        header = ["model", "params", f"passes to {THRESHOLD:.0%}", "95% interval", *(f"pass {p}" for p in show)]
+        header = ["model", "params", f"passes to {THRESHOLD:.0%}", "95% interval",
+                  *(f"pass {p}" if p else "pass 0 (base)" for p in show)]
         lines += [f"**{loss}**", "", *md_table(header, "lrrr" + "r" * len(show), table)]
         if s:
             lines += ["", *_trend_lines(s)]
@@ -268,18 +270,20 @@ def write_markdown(rows: list[dict], figs: list[Path], out: Path, lead: list[str
     copies = copies_of(rows)
     if copies:
         by_block = {c: final_exact(rows, block=c) for c in copies}
+        twins = twin_exact(rows)
         table = []
         for loss, pts in final_exact(rows).items():
             for p in pts:
                 cells = []
-                for c in copies:
-                    hit = [q for q in by_block[c].get(loss, []) if q[4] == p[4]]
+                for block in (*(by_block[c].get(loss, []) for c in copies), twins.get(loss, [])):
+                    hit = [q for q in block if q[4] == p[4]]
                     cells.append(_rate((hit[0][1], hit[0][2], hit[0][3], hit[0][5], hit[0][6])) if hit else "-")
                 table.append([loss, p[4], *cells])
         lines += ["", "## Exact match by copies seen", "",
                   "Copies seen in training: copies per pass x passes. Pooled over seeds: rate [95% Wilson interval] "
-                  "(k/n).", "",
-                  *md_table(["loss", "model", *(f"{c}x" for c in copies)], "ll" + "r" * len(copies), table)]
+                  "(k/n). The control: the canaries' never-trained twins, asked the same way.", "",
+                  *md_table(["loss", "model", *(f"{c}x" for c in copies), "twins (never trained)"],
+                            "ll" + "r" * (len(copies) + 1), table)]
     lines += ["", *_base_section(rows), *_cost_section(rows), *_lr_section(rows)]
     in_row = [r for r in ok if (r.get("eval") or {}).get("in_row")]
     if in_row:

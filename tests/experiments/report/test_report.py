@@ -94,6 +94,26 @@ def test_report_from_results_alone(tmp_path, capsys):
         assert f"(figures/{f.name})" in md
 
 
+def test_the_never_trained_twins_sit_beside_every_exact_match_figure_and_table(tmp_path):
+    """The control: twins asked as their canaries are. Here ladder-30m's standard runs give back half their twins
+    (2 of 4 per seed), which the figures' CSVs and the by-copies table must show beside the members."""
+    rows = synthetic_results(tmp_path / "results.jsonl", failed=False)
+    for r in rows:
+        if (r["model"], r["loss"]) == ("ladder-30m", "standard"):
+            r["eval"]["twins"] = dict(_metrics(0.5), exact_count=2, n_evaluated=4)
+    (tmp_path / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    made = report.build_report(tmp_path)
+    for name in ("exact_match_vs_size", "exact_match_by_copies"):
+        table = list(csv.DictReader((tmp_path / "figures" / f"{name}.csv").open()))
+        twins = {(t["loss"], t["model"]): t for t in table if t["loss"].endswith("(never-trained twins)")}
+        assert len(twins) == 2 * len(MODELS), name  # every (loss, size) has its control
+        big = twins[("standard (never-trained twins)", "ladder-30m")]
+        assert (float(big["value"]), big["k"], big["n"]) == (0.5, "4", "8"), name
+    md = made["report"].read_text()
+    assert "twins (never trained) |" in md
+    assert [line for line in md.splitlines() if line.startswith("| standard | ladder-30m |")][0].endswith("(4/8) |")
+
+
 def test_report_results_file_and_out_dir(tmp_path):
     src = tmp_path / "results.jsonl"
     synthetic_results(src, failed=False)
