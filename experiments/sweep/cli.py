@@ -16,7 +16,7 @@ from memtrain.run_files import check_output
 
 from . import slurm
 from .jobs import Cluster
-from .launch import LAUNCHERS, default_command
+from .launch import LAUNCHERS, default_command, stop_running
 from .run import run_sweep
 from .slurm_options import add_arguments, merge, options_from_args
 from .spec import MAX_JOBS, load_spec, points_of, presets
@@ -105,4 +105,5 @@ def main(argv: list[str] | None = None, parser: argparse.ArgumentParser | None =
 
 
 def _terminate(signum, frame):
+    stop_running()  # the runs side-by-side threads wait for: the signal reached this thread only
     raise KeyboardInterrupt

@@ -5,6 +5,7 @@ executes it with its output in the run directory. (Cluster launchers, slurm and 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shlex
@@ -62,12 +63,25 @@ def run_env() -> dict[str, str]:
     return env
 
 
+RUNNING: set[int] = set()
+"""Process ids of the runs in flight. A signal reaches only the sweep's main thread: runs that side-by-side worker
+threads wait for are stopped through this (`stop_running`), as Ctrl-C in a terminal stops them all at once."""
+
+
+def stop_running() -> None:
+    """SIGTERM every run in flight: each saves its step and ends, and the thread waiting for it goes on."""
+    for pid in list(RUNNING):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
+
+
 def subprocess_runner(cmd: list, log_dir: Path) -> tuple[int, str | None]:
     """Run `cmd`, stdout and stderr to log_dir/{stdout,stderr}.log; a kill of the sweep stops it too."""
     log_dir.mkdir(parents=True, exist_ok=True)
     env = run_env()
     with open(log_dir / "stdout.log", "wb") as out, open(log_dir / "stderr.log", "wb") as err:
         proc = subprocess.Popen([str(c) for c in cmd], stdout=out, stderr=err, env=env, preexec_fn=die_with_parent)
+        RUNNING.add(proc.pid)
         try:
             rc = proc.wait()
         except BaseException:
@@ -78,6 +92,8 @@ def subprocess_runner(cmd: list, log_dir: Path) -> tuple[int, str | None]:
                 proc.kill()
                 proc.wait()
             raise
+        finally:
+            RUNNING.discard(proc.pid)
     return rc, failure_line(log_dir, rc)
 
 

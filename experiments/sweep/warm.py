@@ -31,7 +31,15 @@ import threading
 import time
 from pathlib import Path
 
-from .launch import default_command, die_with_parent, failure_line, last_line, run_env, subprocess_runner
+from .launch import (
+    RUNNING,
+    default_command,
+    die_with_parent,
+    failure_line,
+    last_line,
+    run_env,
+    subprocess_runner,
+)
 
 MODULES = ["memtrain.cli", "memtrain.config", "memtrain.training", "memtrain.evaluate", "wandb",
            "transformers.models.auto.modeling_auto", "transformers.models.llama.modeling_llama"]
@@ -93,6 +101,7 @@ class Server:
                                   + b"\n")
             self.proc.stdin.flush()
         pid = self._wait(i, "pid")
+        RUNNING.add(pid)
         try:
             return self._wait(i, "code")
         except BaseException:  # the sweep stops: so does the run, saved if it can
@@ -101,6 +110,8 @@ class Server:
                 os.kill(pid, signal.SIGKILL)
                 self._wait(i, "code")
             raise
+        finally:
+            RUNNING.discard(pid)
 
     def close(self) -> None:
         """No more requests: the server ends once its runs have."""

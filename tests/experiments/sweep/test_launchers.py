@@ -2,9 +2,15 @@
 runner's forks."""
 
 import json
+import os
+import signal
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
+
+import pytest
 
 from experiments.sweep import launch, warm
 from tests.experiments.sweep._helpers import write_corpus
@@ -71,3 +77,32 @@ def test_the_warm_servers_imports_leave_it_forkable():
                        timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.split() == ["1", "False"]
+
+
+def test_sigterm_to_a_sweep_with_runs_side_by_side_stops_every_run(tmp_path):
+    """SIGTERM (a scheduler, `kill PID`) reaches the sweep's main thread only, while worker threads wait for their
+    runs: every run in flight is stopped at once, and no further point starts."""
+    from types import SimpleNamespace
+
+    from experiments.sweep.cli import _terminate
+    from experiments.sweep.run import _side_by_side
+
+    ended = []
+
+    def run_point(p):
+        ended.append((p.id, *launch.subprocess_runner(["sleep", "30"], tmp_path / p.id)))
+
+    points = [SimpleNamespace(id=f"p{i}", cfg=None) for i in range(4)]
+    previous = signal.signal(signal.SIGTERM, _terminate)  # as cli.main installs it
+    timer = threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGTERM))
+    start = time.monotonic()
+    try:
+        timer.start()
+        with pytest.raises(KeyboardInterrupt):
+            _side_by_side(points, SimpleNamespace(need=lambda cfg: None), run_point, 2)
+    finally:
+        timer.cancel()
+        signal.signal(signal.SIGTERM, previous)
+    assert time.monotonic() - start < 20  # not the runs' 30 s
+    assert sorted(p for p, _, _ in ended) == ["p0", "p1"] and all(rc == -signal.SIGTERM for _, rc, _ in ended)
+    assert not launch.RUNNING
