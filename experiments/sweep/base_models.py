@@ -20,7 +20,7 @@ from pathlib import Path
 
 from experiments.results import BASE_INFO, now
 from memtrain.config import RunConfig, apply_overrides, from_dict, to_toml
-from memtrain.files import atomic_dir, file_lock, read_json
+from memtrain.files import atomic_dir, file_lock, read_json, write_atomic
 from memtrain.progress import quiet
 from memtrain.run_files import CHECKPOINTS, CONFIG, EVAL
 
@@ -239,7 +239,7 @@ class BaseModels:
             except (OSError, ValueError) as e:
                 self._done[key] = (None, str(e))
                 raise BaseModelError(str(e)) from None
-            (folder / BASE_INFO).write_text(json.dumps({
+            write_atomic(folder / BASE_INFO, json.dumps({  # its presence marks the base model done
                 "key": key, "model": cfg.model.name, "steps": self.pre.steps, "created": now(),
                 "seconds": round(time.time() - t0, 1), "val_loss": scores.get("val_loss"),
                 "unigram_entropy": scores.get("unigram_entropy"), "pretrain": dataclasses.asdict(self.pre)},
