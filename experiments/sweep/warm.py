@@ -42,10 +42,12 @@ from .launch import (
 )
 
 MODULES = ["memtrain.cli", "memtrain.config", "memtrain.training", "memtrain.evaluate", "wandb",
-           "transformers.models.auto.modeling_auto", "transformers.models.llama.modeling_llama"]
+           "transformers.models.auto.modeling_auto", "transformers.models.llama.modeling_llama", "scipy.stats",
+           "sklearn.metrics"]
 """What the server imports: all a `memtrain train` of a named (Llama) model imports, transformers' lazy modules
-included. None of them starts a Python thread or initializes CUDA on import (torch and Arrow start a few idle
-native threads, as in every process that forks DataLoader workers)."""
+included, and what its evaluation imports where it runs (scipy.stats, scikit-learn). None of them starts a Python
+thread or initializes CUDA on import (torch and Arrow start a few idle native threads, as in every process that
+forks DataLoader workers)."""
 STOP_GRACE_S = 15.0
 """A run told to stop (SIGTERM: it saves its step) gets this long before SIGKILL."""
 
