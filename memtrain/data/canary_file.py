@@ -92,6 +92,8 @@ def _checked(row, where: str) -> dict:
             _texts(twin, f"{where} (twin)")
         elif not (isinstance(twin, str) and twin.strip()):
             raise ValueError(f"{where}: twin must be a non-empty text or an object with 'prefix' and 'suffix'")
+        else:
+            _utf8(twin, f"{where}: twin")
     if "id" in row and (isinstance(row["id"], bool) or not isinstance(row["id"], (str, int))):
         raise ValueError(f"{where}: id {row['id']!r} is invalid: use a string or an integer")
     if "kind" in row and not (isinstance(row["kind"], str) and row["kind"].strip()):
@@ -109,6 +111,16 @@ def _texts(row: dict, where: str) -> None:
     for key in ("text",) if has_text else ("prefix", "suffix"):
         if not (isinstance(row.get(key), str) and row[key]):
             raise ValueError(f"{where}: {key!r} must be a non-empty string")
+        _utf8(row[key], f"{where}: {key!r}")
+
+
+def _utf8(text: str, what: str) -> None:
+    """JSON's \\ud800 escapes decode to lone surrogates, which no tokenizer takes: name them here."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{what} holds a lone surrogate (\\u{ord(text[e.start]):04x} at character {e.start}): "
+                         "write real characters, or escape pairs that make one") from None
 
 
 def _ids(item, tok) -> tuple[list[int], int | None]:

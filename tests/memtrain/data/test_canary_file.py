@@ -30,6 +30,8 @@ def _write(path, rows):
     ('{"text": "a", "copies": 0}', "copies 0 is invalid"),
     ('{"text": "a", "id": true}', "id True is invalid"),
     ('{"text": "a", "twin": 3}', "twin must be a non-empty text"),
+    ('{"text": "abc \\ud800"}', "line 1: 'text' holds a lone surrogate (\\ud800 at character 4)"),
+    ('{"text": "a", "twin": "\\udfff"}', "line 1: twin holds a lone surrogate"),
     ('{"text": "a", "id": 1}\n{"text": "b", "id": 1}', "line 2: id 1 is used twice"),
     ('{"text": "a"', "line 1 is not JSON"),
     ('', "holds no canaries"),
