@@ -39,6 +39,15 @@ def _bound(v: float) -> str:
     return "unbounded" if not math.isfinite(v) else f"{v:.3g}"
 
 
+def _size_interval(s: dict) -> str:
+    """A size's copies-to-50% interval; an end beyond the copies tried is that bound ('> c' when every replicate
+    stayed below 50% at the most copies, '<= smallest' when one was there at the fewest)."""
+    lo, hi = s["interval"]
+    above = s["crossing"].above
+    low = f"> {above:.3g}" if lo == math.inf and above is not None else "<= smallest" if lo == -math.inf else _bound(lo)
+    return f"[{low}, {_bound(hi)}]"
+
+
 SEED_VARIES = ("A seed draws the canaries (which secrets, which held-out documents, from a pool no other seed "
                "uses), the rows they land in and the order of the pass (under data.max_text_tokens, also which "
                "of the text the pass holds); the base model of each size and its "
@@ -205,9 +214,8 @@ def section(nums: dict) -> list[str]:
                   "Monotone fit of exact match over copies per size; 95% cluster-bootstrap interval; '> c' a size "
                   "that never reached 50% (a lower bound), '<= c' one already there at its fewest copies.", ""]
         lines += md_table(["model", "params", "copies to 50%", "95% interval"], "lrrr",
-                       [[model, human(s["params"]), s["crossing"].label(),
-                         f"[{_bound(s['interval'][0]) if s['interval'][0] > -math.inf else '<= smallest'}, "
-                         f"{_bound(s['interval'][1])}]"] for model, s in trend["sizes"].items()])
+                       [[model, human(s["params"]), s["crossing"].label(), _size_interval(s)]
+                        for model, s in trend["sizes"].items()])
         lo, hi = trend["slope_interval"]
         slope = slope_label(trend)
         lines += ["", f"Power law copies-to-50% ~ N^slope: slope {slope}, 95% interval "
@@ -233,7 +241,9 @@ def _utility_table(util: list[dict]) -> list[str]:
     rows = [[u["loss"], u["model"], human(u["params"]), str(u["runs"]), f"{u['base']:.3f}", f"{u['after']:.3f}",
              _interval(u["delta"]), f"{u['worst']:+.3f}"] for u in util]
     header = ["loss", "model", "params", "runs", "base", "after the pass", "change [95% CI]", "worst run"]
-    return [*lines, *md_table(header, "llrrrrrr", rows), ""]
+    alone = ["A row of one run has no interval (it resamples that run alone): run-to-run variance is not in it."] \
+        if any(u["runs"] == 1 for u in util) else []
+    return [*lines, *md_table(header, "llrrrrrr", rows), *alone, ""]
 
 
 def _mia_table(mia: list[dict]) -> list[str]:

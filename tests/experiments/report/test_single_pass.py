@@ -111,6 +111,7 @@ def test_the_report_leads_with_the_single_pass_section_and_writes_csv_pdf_svg(ro
     text = made["report"].read_text()
     assert text.index("## One pass") < text.index("## Runs")
     assert "> 32" in text and "unbounded by these data" in text
+    assert "| > 32 | [> 32, unbounded] |" in text  # Goldfish: every replicate stays below 50% at 32 copies
     assert "**One exposure.**" in text and "Held-out loss of the base models" in text
     assert "### Membership inference at one exposure" in text
     for name in ("one_exposure", "dose_response"):
