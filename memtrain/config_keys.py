@@ -93,6 +93,9 @@ def typed(key: str, value, f: dataclasses.Field):
         default = default_of(f)
         example = "" if default is None else f", e.g. {key}={toml_value(default)}"
         raise ValueError(f"{key}={value!r} is invalid: expected {expected(annotation)}{example}")
+    kinds = {a.strip() for a in annotation.split("|")}
+    if isinstance(value, int) and not isinstance(value, bool) and "float" in kinds and "int" not in kinds:
+        return float(value)  # lr = 1 is lr = 1.0: one config, one digest and one config.toml, however written
     return value
 
 

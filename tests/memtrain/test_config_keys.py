@@ -127,3 +127,13 @@ def test_types_in_words():
     assert expected("str | int") == "a string or an integer"
     assert expected("list[int]") == "a list of integers"
     assert expected("bool") == "true or false"
+
+
+def test_an_integer_for_a_float_key_is_that_float():
+    """lr = 1 and lr = 1.0 are one config: the same value type and TOML however the number is written (an integer
+    key stays an integer; a sweep's digest, built from it, agrees too: tests/experiments/sweep/test_digests.py)."""
+    from memtrain.config import from_dict, to_toml
+
+    as_int, as_float = from_dict({"train": {"lr": 1, "seed": 3}}), from_dict({"train": {"lr": 1.0, "seed": 3}})
+    assert type(as_int.train.lr) is float and type(as_int.train.seed) is int
+    assert to_toml(as_int) == to_toml(as_float)

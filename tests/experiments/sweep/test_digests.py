@@ -31,6 +31,11 @@ def test_logging_and_saving_change_no_digest_and_no_base_key(change):
     assert _base_key(_cfg(change)) == _base_key(_cfg())
 
 
+def test_a_number_written_as_an_integer_is_the_same_run():
+    """lr = 1 in one spec and 1.0 in another: the same point, so --resume of a reformatted spec reruns nothing."""
+    assert _digest(_cfg("train.lr=1", "train.min_lr=0"), PRE) == _digest(_cfg("train.lr=1.0", "train.min_lr=0.0"), PRE)
+
+
 @pytest.mark.parametrize("change, pretrained", [("train.lr=0.002", False), ("train.seed=3", False),
                                                  ("train.batch_size=8", True), ("model.name='ladder-3m'", True),
                                                  ("data.seq_len=128", True)])
