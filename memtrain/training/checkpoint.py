@@ -201,17 +201,22 @@ def save(run_dir: Path, plm, opt, sched, step: int, extra: dict, keep: int = 0) 
         if isinstance(error, OSError):
             raise _not_saved(error, step) from None
         raise error or OSError(f"saving checkpoint {str(final)!r} failed on another rank: see its error")
+    if grid.rank == 0:
+        state = dict(extra, step=step, scheduler=sched.state_dict(), rng=torch.get_rng_state().tolist(),
+                     grid={a: getattr(grid, a) for a in parallel.AXES})
+        try:
+            (tmp / "state.json").write_text(json.dumps(state))
+            replace_dir(tmp, final)
+            write_atomic(root / LATEST, final.name)
+        except OSError as e:
+            shutil.rmtree(tmp, ignore_errors=True)
+            error = e
+    # Every rank learns how rank 0's part went: the others would otherwise train on into a collective it never joins.
+    if not _vote(error is None, grid, device):
+        raise _not_saved(error, step) if error else OSError(
+            f"saving checkpoint {str(final)!r} failed on rank 0: see its error; `latest` still names the one before")
     if grid.rank != 0:
         return None
-    state = dict(extra, step=step, scheduler=sched.state_dict(), rng=torch.get_rng_state().tolist(),
-                 grid={a: getattr(grid, a) for a in parallel.AXES})
-    try:
-        (tmp / "state.json").write_text(json.dumps(state))
-        replace_dir(tmp, final)
-        write_atomic(root / LATEST, final.name)
-    except OSError as e:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise _not_saved(e, step) from None
     if keep:
         prune(root, keep, step)
     return final

@@ -5,6 +5,7 @@ loading on another grid differ from the saving grid's only by the order of the g
 as for every cross-grid comparison of the engine.
 """
 
+import errno
 import json
 import shutil
 
@@ -86,6 +87,34 @@ def test_missing_or_foreign_pieces_are_named(small, tmp_path):
     (step / "model-00000.safetensors").write_bytes(b"not safetensors")
     with pytest.raises(ValueError, match="model-00000.safetensors' is corrupt"):
         _load_small(0, 1, None, tmp_path)
+
+
+def _save_with_a_full_disk_on_rank_0(rank, world, root):
+    """Step 1 saved; then step 2, whose rename fails on rank 0 alone (the rank that writes state.json and renames):
+    what each rank's save of step 2 ended with."""
+    grid = parallel.init(2, 1, 1, 1)
+    plm = parallelize(tiny("gpt2", device="meta"), grid, mode="easy", seed=3)
+    opt = torch.optim.AdamW(plm.parameters())
+    _moments_from_weights(plm, opt)
+    checkpoint.save(root, plm, opt, _Schedule(), 1, {})
+    if rank == 0:
+        def full(tmp, final):
+            raise OSError(errno.ENOSPC, "No space left on device", str(final))
+        checkpoint.replace_dir = full
+    try:
+        checkpoint.save(root, plm, opt, _Schedule(), 2, {})
+    except OSError as e:
+        return str(e)
+    return "saved"
+
+
+def test_a_save_that_fails_on_rank_0_fails_on_every_rank(tmp_path):
+    """Rank 0 writes the state and renames after the others wrote their pieces: all learn its outcome, and raise,
+    rather than train on into a collective rank 0 never joins; step 1 stays the newest checkpoint."""
+    said = run_ranks(2, _save_with_a_full_disk_on_rank_0, tmp_path)
+    assert "No space left on device" in said[0] and "the checkpoint of step 2 was not saved" in said[0]
+    assert said[1].startswith("saving checkpoint") and "failed on rank 0" in said[1]
+    assert checkpoint.latest(tmp_path).name == "step_000001"
 
 
 def test_without_a_pointer_the_newest_complete_checkpoint_is_the_highest_step(tmp_path):
