@@ -198,11 +198,23 @@ def _roc(members: list[float], others: list[float]) -> dict:
             "n_twins": len(neg), "fpr_max": allowed / len(neg)}
 
 
+ATTACKS = ("attack_loss", "attack_calibrated")
+
+
+def _auc_of(attack: str):
+    def stat(sample):
+        members = [u[attack] for u in sample if u["dose"] == 1]
+        twins = [u[attack] for u in sample if u["dose"] == 0]
+        return _roc(members, twins)["auc"] if members and twins else math.nan
+    return stat
+
+
 def mia_one_exposure(rows: list[dict]) -> list[dict]:
     """Membership inference after the pass, per (loss, model), pooled over seeds: the members seen exactly once
     against all never-trained twins. Two scores: the loss attack (lower suffix loss = member) and the
-    base-calibrated one (the drop in suffix loss from the base model, a reference-model attack)."""
-    scores: dict = defaultdict(lambda: {"attack_loss": ([], []), "attack_calibrated": ([], [])})
+    base-calibrated one (the drop in suffix loss from the base model, a reference-model attack). Each AUC has a
+    95% cluster-bootstrap interval ("auc_interval": seeds, and in each its members and its twins)."""
+    units: dict = defaultdict(list)  # one per scored canary or twin: "dose" 1 a member seen once, 0 a twin
     sizes: dict = {}
     for r in ok_rows(rows):
         pair = _first_pass(r)
@@ -215,14 +227,18 @@ def mia_one_exposure(rows: list[dict]) -> list[dict]:
             a, b = after["suffix_loss"][i], before["suffix_loss"][i]
             if a is None or b is None or (member and after["copies"][i] != 1):
                 continue
-            side = 0 if member else 1
-            scores[key]["attack_loss"][side].append(-a)
-            scores[key]["attack_calibrated"][side].append(b - a)
+            units[key].append({"seed": r.get("seed"), "dose": int(member), "attack_loss": -a,
+                               "attack_calibrated": b - a})
     out = []
-    for (loss, model), sc in _by_loss_and_size(scores, sizes):
-        if sc["attack_loss"][0] and sc["attack_loss"][1]:
-            out.append({"loss": loss, "model": model, "params": sizes[model],
-                        **{name: _roc(*sides) for name, sides in sc.items()}})
+    for (loss, model), us in _by_loss_and_size(units, sizes):
+        members = [u for u in us if u["dose"] == 1]
+        twins = [u for u in us if u["dose"] == 0]
+        if members and twins:
+            row = {"loss": loss, "model": model, "params": sizes[model]}
+            for attack in ATTACKS:
+                row[attack] = dict(_roc([u[attack] for u in members], [u[attack] for u in twins]),
+                                   auc_interval=bootstrap(us, _auc_of(attack), N_BOOT))
+            out.append(row)
     return out
 
 

@@ -188,10 +188,10 @@ def summary(nums: dict) -> list[str]:
                    "after the standard pass it moves by " + ", ".join(_interval(u["delta"]) for u in std_util)
                    + f" nats (worst single run {max(u['worst'] for u in std_util):+.3f}).")
     if mia:
-        aucs = [m["attack_calibrated"]["auc"] for m in mia if m["loss"] == "standard"]
+        aucs = [_auc(m["attack_calibrated"]) for m in mia if m["loss"] == "standard"]
         if aucs:
             out.append(f"**Membership at one exposure.** Base-calibrated loss attack, members seen once vs every "
-                       f"twin: AUC {min(aucs):.2f} to {max(aucs):.2f} over sizes (standard loss).")
+                       f"twin: AUC {', '.join(aucs)} from the smallest size to the largest (standard loss).")
     return [" ".join(out), "", SEED_VARIES, ""] if out else []
 
 
@@ -251,14 +251,20 @@ def _mia_table(mia: list[dict]) -> list[str]:
         return []
     lines = ["### Membership inference at one exposure", "",
              "Members seen exactly once against every never-trained twin, pooled over seeds. Loss attack: lower "
-             "suffix loss = member; calibrated: its drop from the base model. TPR at the largest threshold whose "
-             "false-positive rate is <= 1% of the twins (0 false positives below 100 twins).", ""]
-    rows = [[m["loss"], m["model"], f"{c['n_members']} / {c['n_twins']}", f"{a['auc']:.2f}", f"{c['auc']:.2f}",
+             "suffix loss = member; calibrated: its drop from the base model. AUC [95% cluster-bootstrap interval: "
+             "seeds, and in each its members and twins]; TPR at the largest threshold whose false-positive rate is "
+             "<= 1% of the twins (0 false positives below 100 twins).", ""]
+    rows = [[m["loss"], m["model"], f"{c['n_members']} / {c['n_twins']}", _auc(a), _auc(c),
              f"{a['tpr_at_1pct_fpr']:.2f}", f"{c['tpr_at_1pct_fpr']:.2f}"]
             for m in mia for a, c in [(m["attack_loss"], m["attack_calibrated"])]]
     header = ["loss", "model", "members / twins", "AUC loss", "AUC calibrated", "TPR at 1% FPR, loss",
               "TPR at 1% FPR, calibrated"]
     return [*lines, *md_table(header, "llrrrrr", rows), ""]
+
+
+def _auc(attack: dict) -> str:
+    lo, hi = attack["auc_interval"]
+    return f"{attack['auc']:.2f} [{lo:.2f}, {hi:.2f}]"
 
 
 def _order_table(order: list[dict]) -> list[str]:

@@ -92,6 +92,17 @@ def test_membership_at_one_exposure_pairs_members_seen_once_with_every_twin(rows
     m = got[("standard", "large")]["attack_calibrated"]
     assert m["n_members"] == 3 * 4 and m["n_twins"] == 3 * 24  # 4 canaries seen once per seed; every twin
     assert m["auc"] == 1.0 and m["tpr_at_1pct_fpr"] == 1.0  # a member's drop 0.7 vs a twin's 0.1
+    assert m["auc_interval"] == (1.0, 1.0)  # every seed separates them fully
+
+
+def test_membership_auc_has_an_interval_over_seeds():
+    """Seed 3's members are indistinguishable from its twins (no drop beyond theirs): the pooled AUC falls below 1,
+    and the seed-level bootstrap spreads around it, reaching 1 where seed 3 is not drawn."""
+    rows = [_record(m, p, "standard", seed, lambda c: 0.0, 0.0 if seed == 3 else 0.6)
+            for seed in (1, 2, 3) for m, p in (("small", 1e5), ("large", 4e6))]
+    m = {r["model"]: r for r in single_pass.mia_one_exposure(rows)}["large"]["attack_calibrated"]
+    lo, hi = m["auc_interval"]
+    assert lo < m["auc"] < 1.0 and hi == 1.0
 
 
 def test_training_order_pools_the_runs_spearman_weighted_by_members():
