@@ -104,11 +104,14 @@ class DDPVariant(Variant):
     name = "ddp"
 
     def build(self, init, X, T):
-        k = self.n_rows // self.world
+        k = self.n_rows // self.world  # each rank its own rows, all features
         rows = slice(self.rank * k, (self.rank + 1) * k)
         self.x, self.t = X[rows].contiguous(), T[rows].contiguous()
-        self.model = nn.parallel.DistributedDataParallel(torch_mlp(self.hidden, self.args.layers, init))
+        self.model = self.wrap(torch_mlp(self.hidden, self.args.layers, init))
         self.report_weight = 1.0 / self.world
+
+    def wrap(self, model: nn.Sequential) -> nn.Module:
+        return nn.parallel.DistributedDataParallel(model)
 
     def loss_fn(self, y):
         return nn.functional.mse_loss(y, self.t)  # DDP averages gradients over ranks -> global mean
@@ -122,13 +125,8 @@ class DDPVariant(Variant):
 class FSDP2Variant(DDPVariant):
     name = "fsdp2"
 
-    def build(self, init, X, T):
-        k = self.n_rows // self.world
-        rows = slice(self.rank * k, (self.rank + 1) * k)
-        self.x, self.t = X[rows].contiguous(), T[rows].contiguous()
-        model = torch_mlp(self.hidden, self.args.layers, init)
-        self.model = fsdp2(model, list(model), self.world)
-        self.report_weight = 1.0 / self.world
+    def wrap(self, model: nn.Sequential) -> nn.Module:
+        return fsdp2(model, list(model), self.world)
 
     def comm_model(self):
         p = self.world
