@@ -109,6 +109,7 @@ class Architecture:
         inp, out = model.get_input_embeddings(), model.get_output_embeddings()
         if not isinstance(inp, nn.Embedding) or out is None:
             raise ValueError(f"{type(model).__name__}: easy mode needs an nn.Embedding input and an output embedding")
+        _refuse_what_the_engine_drops(model, inp)
         names = {id(m): n for n, m in model.named_modules()}
         tied = out.weight is inp.weight
         for name, mod in list(model.named_modules()):
@@ -242,3 +243,26 @@ GENERIC = Architecture()
 def architecture_of(config) -> Architecture:
     """The architecture object of a transformers config (the generic easy-mode one for unknown families)."""
     return ARCHITECTURES.get(config.model_type, GENERIC)
+
+
+LOGIT_TRANSFORMS = {"logits_scaling": 1, "logit_scale": 1, "final_logit_softcapping": None}
+"""Config fields by which a *ForCausalLM.forward transforms the logits after its LM head (Granite, Cohere, Gemma 2
+and 3), with the value that leaves them as they are."""
+
+SCORE_ON_ONE_PROCESS = ("training it is not supported; score it on one process (memtrain eval --model without "
+                        "torchrun), where transformers' own forward runs")
+
+
+def _refuse_what_the_engine_drops(model, embedding: nn.Embedding) -> None:
+    """The engine replaces the input embedding and the LM head, and its loss reads the base model's hidden states:
+    a lookup its class changes in its own forward (Gemma's scaled embedding) or a transform of the logits after the
+    head would be dropped silently."""
+    name = type(model).__name__
+    for key, neutral in LOGIT_TRANSFORMS.items():
+        value = getattr(model.config, key, neutral)
+        if value != neutral:
+            raise ValueError(f"{name}: config.{key}={value!r} transforms the logits after the LM head, which the "
+                             f"engine's vocabulary-parallel loss would skip: {SCORE_ON_ONE_PROCESS}")
+    if type(embedding).forward is not nn.Embedding.forward:
+        raise ValueError(f"{name}: its input embedding {type(embedding).__name__} changes the lookup in its own "
+                         f"forward (e.g. scales it), which the engine's embedding would drop: {SCORE_ON_ONE_PROCESS}")
