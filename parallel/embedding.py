@@ -133,7 +133,8 @@ class _VocabParallelCE(torch.autograd.Function):
         local = labels - start
         hit = (local >= 0) & (local < n_local)
         local = torch.where(hit, local, torch.zeros_like(local))
-        target = shifted.gather(-1, local.unsqueeze(-1)).squeeze(-1) * hit
+        # where, not a product with `hit`: a miss reads column 0, maybe -inf (a masked logit), and 0 * -inf is nan
+        target = torch.where(hit, shifted.gather(-1, local.unsqueeze(-1)).squeeze(-1), 0.0)
         # In place from here (same values): two fewer [tokens, V] temporaries, each a fresh page-faulted
         # allocation on CPU (~25% of this loss's time at 2k tokens x 4k vocabulary).
         exp = shifted.exp_()

@@ -33,3 +33,18 @@ def test_loss_of_any_logits_is_bitwise_the_loss_of_their_fp32_copy(dtype):
     assert torch.equal(loss, ref_loss)
     assert torch.equal(grad, ref_grad.to(dtype))
     assert float(loss[::5].abs().max()) == 0.0 and float(grad[::5].abs().max()) == 0.0
+
+
+def test_masked_logits_give_the_loss_torch_gives_and_no_nan():
+    """A logit of -inf (a token masked out) in column 0: an ignored label, which reads that column, costs 0 and no
+    nan; every other token's loss and gradient are torch's cross-entropy's (1e-6: another summation order)."""
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(6, 9, generator=g)
+    logits[:, 0] = float("-inf")
+    labels = torch.tensor([1, -100, 3, 8, -100, 2])
+    loss, grad = _loss_and_grad(logits, labels)
+    ref = logits.clone().requires_grad_()
+    want = torch.nn.functional.cross_entropy(ref, labels, reduction="none")
+    (want * torch.linspace(0.5, 2.0, want.numel())).sum().backward()
+    torch.testing.assert_close(loss, want.detach(), atol=1e-6, rtol=0)
+    torch.testing.assert_close(grad, ref.grad, atol=1e-6, rtol=0)
