@@ -36,6 +36,7 @@ import os
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 
 from memtrain.progress import note
 
@@ -232,8 +233,21 @@ def build_model(name_or_path: str, vocab_size: int | None = None, *, device=None
         if weights:
             model.memtrain_weights = str(path)  # parallelize loads them, slice by slice, into the shards
         return model
-    model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=dtype, trust_remote_code=trust_remote_code,
-                                                 attn_implementation=_attention(config, trust_remote_code))
+    try:  # the default dtype, not transformers' "auto" (a bf16 checkpoint in bf16): the dtype a grid builds it in
+        model, info = AutoModelForCausalLM.from_pretrained(
+            path, config=config, dtype=dtype or torch.get_default_dtype(), trust_remote_code=trust_remote_code,
+            attn_implementation=_attention(config, trust_remote_code), output_loading_info=True)
+    except (OSError, ValueError, RuntimeError, SafetensorError) as e:  # a damaged weights file
+        raise ValueError(f"model {name_or_path!r}: its weights do not load ({' '.join(str(e).split())[:200]}): "
+                         "restore them, or save the model again") from None
+    # transformers fills what the files lack with a random init and goes on: a checkpoint must hold the model whole
+    gaps = [f"{what} {sorted(map(str, keys))[:3]}" for what, keys in (("missing", info["missing_keys"]),
+                                                                      ("unexpected", info["unexpected_keys"]),
+                                                                      ("of another shape", info["mismatched_keys"]))
+            if keys]
+    if gaps:
+        raise ValueError(f"model {name_or_path!r}: its weights do not fit its config.json ({'; '.join(map(str, gaps))}"
+                         "): restore the files, or save the model again with save_pretrained")
     return model.to(device) if device is not None else model
 
 

@@ -135,6 +135,31 @@ def test_local_directory(tmp_path):
         build_model(str(tmp_path), vocab_size=5000)
 
 
+def test_a_checkpoint_that_does_not_hold_its_model_whole_is_refused(tmp_path):
+    """transformers fills what the files lack with a random init and goes on; a checkpoint whose config.json asks
+    for another layer, or whose weights file is damaged, is one line naming the fix instead."""
+    model = build_model("gpt2-tiny", seed=4)
+    model.save_pretrained(tmp_path / "deeper")
+    model.config.n_layer += 1
+    model.config.save_pretrained(tmp_path / "deeper")
+    with pytest.raises(ValueError, match=r"weights do not fit its config.json \(missing \['transformer.h.2"):
+        build_model(str(tmp_path / "deeper"))
+    model.save_pretrained(tmp_path / "noise")
+    (tmp_path / "noise" / "model.safetensors").write_bytes(os.urandom(4096))
+    with pytest.raises(ValueError, match="its weights do not load .*restore them"):
+        build_model(str(tmp_path / "noise"))
+
+
+def test_a_bf16_checkpoint_is_built_as_a_grid_builds_it(tmp_path):
+    """In the default dtype on one process as on a grid (transformers' own default would keep it in bf16, so the
+    same checkpoint would score differently there), its values exactly those saved."""
+    model = build_model("gpt2-tiny", seed=4, dtype=torch.bfloat16)
+    model.save_pretrained(tmp_path)
+    one, meta = build_model(str(tmp_path)), build_model(str(tmp_path), device="meta")
+    assert next(one.parameters()).dtype == next(meta.parameters()).dtype == torch.float32
+    assert all(torch.equal(p.float(), q) for p, q in zip(model.parameters(), one.parameters()))
+
+
 def test_a_checkpoint_refuses_a_tokenizer_it_was_not_trained_with(tmp_path):
     """A padded table passes (up to UNUSED_ROWS spare rows, as Pythia's); thousands of unused rows, or another EOS
     id, mean another tokenizer: one line naming the fix. A config-only directory is sized to the tokenizer."""
