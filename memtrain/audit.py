@@ -104,10 +104,13 @@ def audit(model: str, canaries: str, out: str | Path, overrides: list[str] | Non
     out = check_output(out)
     if (out / EVAL).exists():
         raise FileExistsError(f"--out {str(out)!r} holds an earlier evaluation ({EVAL}): name a new directory")
+    if Path(model).is_dir():  # a directory even where a built-in model has its name (./gpt2): build_model takes names
+        model = str(Path(model).resolve())
     tok, run_cfg, ckpt = _model_tokenizer(model, trust_remote_code)
     cfg = _config(run_cfg, overrides or [])
     manifest = canary_file.to_canaries(canary_file.read(canaries), tok, str(canaries))
     start = start_ids(tok)
+    out.mkdir(parents=True, exist_ok=True)  # the input read: an --out that cannot be written is told before scoring
     t0 = time.perf_counter()
     grid = None
     try:

@@ -3,6 +3,7 @@ torch on some of the canaries), scored against a plain transformers computation:
 suffix and a teacher-forced forward for every log-probability; the same under torchrun on a 2-rank grid."""
 
 import json
+import shutil
 import subprocess
 
 import pytest
@@ -10,6 +11,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
+from memtrain.audit import audit
 from memtrain.scoring import start_ids
 
 from ._helpers import CPU_RANKS, ROOT, cli, memtrain
@@ -155,3 +157,20 @@ def test_a_memtrain_run_is_a_model_too(tiny_run, canary_file, tmp_path):
     tok = AutoTokenizer.from_pretrained(tiny_run.out / "tokenizer")
     assert result["start_ids"] == [tok.eos_token_id] and result["n_evaluated"] == 4
     assert [x["id"] for x in _rows(tmp_path / "o")][-1] == 17
+
+
+def test_a_directory_named_like_a_built_in_model_is_that_directory(model_dir, canary_file, tmp_path, monkeypatch,
+                                                                    one_process):
+    """`--model ladder-1m` where ./ladder-1m is the user's model: their weights, not a random built-in ladder-1m
+    (the tokenizer was read from the directory either way)."""
+    shutil.copytree(model_dir, tmp_path / "ladder-1m")
+    monkeypatch.chdir(tmp_path)
+    audit("ladder-1m", str(canary_file), "o", [f"eval.suffix_len={SUFFIX}"])
+    assert _rows(tmp_path / "o") == _rows(one_process[1])
+
+
+def test_an_out_that_cannot_be_made_is_told_before_the_model_is_scored(model_dir, canary_file, tmp_path):
+    """--out below a file (as below a read-only directory): one line before any scoring, not after it."""
+    (tmp_path / "f").write_text("a file")
+    r = cli("eval", "--model", model_dir, "--canaries", canary_file, "--out", tmp_path / "f" / "o")
+    assert r.returncode == 2 and "Not a directory" in r.stderr and "eval: extraction" not in r.stderr
