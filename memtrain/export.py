@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shlex
 from pathlib import Path
 
@@ -41,13 +42,15 @@ from memtrain.run_files import CONFIG, EVAL, RUN, TOKENIZER, check_output
 from memtrain.training.checkpoint import latest, model_source
 
 _HINT = "pass the --out directory of `memtrain train` or one of its checkpoints/step_* directories"
+_WEIGHTS = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors(\.index\.json)?")
+"""The weight files an export writes, in one file or in shards."""
 
 
 def export(source: str | os.PathLike, out: str | os.PathLike, max_shard_bytes: int = 5 * 2**30,
            trust_remote_code: bool = False) -> tuple[Path, Path]:
     """Write the model of a run or checkpoint to `out` (never inside a run directory); returns (the checkpoint
     exported, out). The run's own config never allows remote code: only `trust_remote_code` (the command's flag)."""
-    out = check_output(out)
+    out = check_output(out).resolve()  # a link's target is replaced, never the link itself
     run, ckpt = resolve(Path(source))
     cfg = load_config(run / CONFIG)
     allow_remote_code(cfg, trust_remote_code, str(run / CONFIG))
@@ -74,8 +77,11 @@ def export(source: str | os.PathLike, out: str | os.PathLike, max_shard_bytes: i
             os.chmod(f, (tmp / "config.json").stat().st_mode)
         generation.save_pretrained(tmp)
         tok.save_pretrained(tmp)
-        # Only an earlier export is replaced: any other file in `out` would be deleted along with it.
-        foreign = sorted(set(os.listdir(out)) - set(os.listdir(tmp))) if out.is_dir() else []
+        # Only an earlier export is replaced (its weights perhaps in other shards): any other file in `out` would
+        # be deleted along with it.
+        written = set(os.listdir(tmp))
+        foreign = sorted(f for f in os.listdir(out) if f not in written and not _WEIGHTS.fullmatch(f)) \
+            if out.is_dir() else []
         if foreign:
             raise FileExistsError(f"--out {str(out)!r} holds files an export does not write ({', '.join(foreign[:3])})"
                                   ": name a new or empty directory")
@@ -84,6 +90,7 @@ def export(source: str | os.PathLike, out: str | os.PathLike, max_shard_bytes: i
 
 def resolve(path: Path) -> tuple[Path, Path]:
     """(run directory, checkpoint directory) of a run directory or of one of its checkpoints."""
+    path = path.resolve()  # a checkpoint named from inside its run (step_000002) has the run two levels up
     if not path.exists():
         raise FileNotFoundError(f"RUN_OR_CHECKPOINT {str(path)!r} does not exist: {_HINT}")
     if (path / CONFIG).is_file():

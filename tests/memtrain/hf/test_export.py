@@ -138,6 +138,23 @@ def test_large_models_export_in_shards(run, exported, tmp_path):
     assert single.keys() == sharded.keys() and all(torch.equal(single[k], sharded[k]) for k in single)
 
 
+def test_an_export_goes_through_a_link_and_over_an_earlier_export_in_other_shards(run, exported, tmp_path,
+                                                                                   monkeypatch):
+    """--out a link: its target gets the export and the link stays; a sharded export replaced by a single-file one
+    (its weights only in other files) is an earlier export too; a checkpoint named from inside its run exports."""
+    from memtrain.export import export
+
+    (tmp_path / "target").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "target")
+    export(run, tmp_path / "link", max_shard_bytes=300_000)
+    assert (tmp_path / "link").is_symlink() and (tmp_path / "target" / "model.safetensors.index.json").is_file()
+    export(run, tmp_path / "link")
+    assert sorted(os.listdir(tmp_path / "target")) == sorted(os.listdir(exported))
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no aside copy left
+    monkeypatch.chdir(_final(run).parent)
+    assert export(_final(run).name, tmp_path / "again")[0] == _final(run)
+
+
 @pytest.mark.parametrize("case", ["not a run", "out is a file", "weights deleted after evaluation"])
 def test_bad_arguments_are_one_clear_line(run, tmp_path, case):
     if case == "not a run":
