@@ -76,7 +76,9 @@ def toml_value(v) -> str:
         return repr(v)
     if isinstance(v, (list, tuple)):
         return "[" + ", ".join(toml_value(x) for x in v) + "]"
-    return json.dumps(str(v))
+    # JSON's escapes are TOML's, but for characters past U+FFFF, which JSON writes as a surrogate pair TOML refuses:
+    # those stay as they are (and DEL, which JSON leaves raw, is escaped)
+    return json.dumps(str(v), ensure_ascii=False).replace("\x7f", "\\u007f")
 
 
 def default_of(f: dataclasses.Field):

@@ -137,3 +137,12 @@ def test_an_integer_for_a_float_key_is_that_float():
     as_int, as_float = from_dict({"train": {"lr": 1, "seed": 3}}), from_dict({"train": {"lr": 1.0, "seed": 3}})
     assert type(as_int.train.lr) is float and type(as_int.train.seed) is int
     assert to_toml(as_int) == to_toml(as_float)
+
+
+def test_any_text_in_a_string_key_writes_toml_that_reads_back():
+    """A run's config.toml is how export, eval and --resume read it back: an emoji (past U+FFFF: JSON would write a
+    surrogate pair, which TOML refuses), accents, DEL, quotes, a backslash and a newline survive the round trip."""
+    from memtrain.config import from_dict, to_toml, tomllib
+
+    cfg = from_dict({"wandb": {"name": 'run-\U0001f680 é \x7f "q" \\ \n'}})
+    assert from_dict(tomllib.loads(to_toml(cfg))) == cfg
