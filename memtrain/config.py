@@ -325,7 +325,9 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
         if (section, key) in given:  # which one wins would be a guess: the last, silently
             raise ValueError(f"--set {section}.{key} is given twice: give each key once")
         given.add((section, key))
-        raw.setdefault(section, {})[key] = parse_value(value)
+        if not isinstance(raw.setdefault(section, {}), dict):
+            raise ValueError(f"config section [{section}] must be a table of keys, got {raw[section]!r}")
+        raw[section][key] = parse_value(value)
     return raw
 
 

@@ -38,16 +38,19 @@ def read(path: str | Path) -> list[dict]:
     path = Path(path)
     where = f"canary file {str(path)!r}"
     rows = []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            if len(rows) == MAX_ROWS:
-                raise ValueError(f"{where} has more than {MAX_ROWS:,} canaries: split it")
-            try:
-                rows.append((n, json.loads(line)))
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{where} line {n} is not JSON ({e.msg}): write one JSON object a line") from None
+    try:  # utf-8-sig: a byte-order mark, as some editors write one, is not part of the first line
+        lines = path.read_bytes().decode("utf-8-sig").split("\n")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{where} is not UTF-8 text (byte {e.start}): write it as UTF-8 JSON lines") from None
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        if len(rows) == MAX_ROWS:
+            raise ValueError(f"{where} has more than {MAX_ROWS:,} canaries: split it")
+        try:
+            rows.append((n, json.loads(line)))
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{where} line {n} is not JSON ({e.msg}): write one JSON object a line") from None
     return checked(rows, where)
 
 

@@ -83,6 +83,8 @@ CASES = [
     ("recipe-missing", ["train", "--config", "{bad}/nope.toml", "--out", "{fresh}"], "nope.toml"),
     ("recipe-malformed", ["train", "--config", "{bad}/broken.toml", "--out", "{fresh}"], "broken.toml"),
     ("recipe-section-not-table", ["train", "--config", "{bad}/list_section.toml", "--out", "{fresh}"], "train"),
+    ("recipe-section-not-table-and-set", ["train", "--config", "{bad}/list_section.toml", "--out", "{fresh}",
+                                          "--set", "train.lr=0.1"], "config section [train] must be a table"),
     ("model-unknown", [*TRAIN, "--set", "model.name=ladder-9z"], "ladder-9z"),
     # the machine and the grid
     ("nccl-without-cuda", [*TRAIN, "--set", "parallel.backend=nccl"], "nccl"),

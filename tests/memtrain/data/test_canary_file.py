@@ -44,6 +44,15 @@ def test_bad_lines_name_the_line_and_the_fix(tmp_path, line, expect):
     assert expect in str(e.value) and "\n" not in str(e.value)
 
 
+def test_a_file_that_is_not_utf8_is_one_line_and_a_byte_order_mark_is_read(tmp_path):
+    path = tmp_path / "c.jsonl"
+    path.write_bytes(b'{"text": "caf\xe9"}\n')  # Latin-1
+    with pytest.raises(ValueError, match=r"canary file .*c.jsonl' is not UTF-8 text \(byte 13\): write it as UTF-8"):
+        canary_file.read(path)
+    path.write_bytes('\ufeff{"text": "caf\u00e9 \u2028 line separator"}\n'.encode())
+    assert [r["text"] for r in canary_file.read(path)] == ["caf\u00e9 \u2028 line separator"]
+
+
 def test_ids_and_splits_are_kept(tmp_path):
     """Ids as given (an integer stays one), kind and copies; a prefix/suffix pair keeps its split in tokens, a
     twin is tokenized alone; rows without copies take the cycle."""
