@@ -159,7 +159,7 @@ def fig_exact_by_copies(rows, labels, path: Path) -> Path:
     axes[0][0].set_ylabel("exact-match rate")
     handles, names = axes[0][0].get_legend_handles_labels()
     if handles:
-        axes[0][-1].legend(handles, names, fontsize=7)
+        axes[0][0].legend(handles, names, fontsize=7, loc="upper left")  # low copies: an empty upper panel
     fig.suptitle("Exact match vs model size, by copies of the canary seen in training (copies per pass x passes)",
                  fontsize=10)
     return _save(fig, path, ["copies", *SERIES_CSV], table + _series_table(_as_twins(control), "any"))
