@@ -68,6 +68,9 @@ class DataConfig:
         if self.txt_sample_by not in ("document", "paragraph", "line"):
             raise ValueError(f"data.txt_sample_by={self.txt_sample_by!r} is invalid: "
                              "use 'document', 'paragraph' or 'line'")
+        if not self.file_glob.strip() or Path(self.file_glob).is_absolute():
+            raise ValueError(f"data.file_glob={self.file_glob!r} is invalid: use a pattern relative to the corpus "
+                             "directory, e.g. '**/*.txt'")
 
     def resolved_cache_dir(self) -> Path:
         root = self.cache_dir or os.environ.get("MEMTRAIN_CACHE") or "~/.cache/memtrain"

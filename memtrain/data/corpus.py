@@ -132,7 +132,11 @@ def _dataset_documents(ds, field: str, src: str) -> list[Document]:
     if field not in ds.column_names:
         raise ValueError(f"corpus {src!r} has no column {field!r} (columns: {ds.column_names}): "
                          "set data.text_field")
-    texts = ds[field]
+    try:
+        texts = list(ds[field])  # read here: a column reads its values lazily
+    except UnicodeDecodeError as e:  # pyarrow keeps a JSON file's bytes unchecked: they fail only when read
+        raise ValueError(f"corpus {src!r}: column {field!r} is not UTF-8 text ({e.reason} at byte {e.start} of a "
+                         "value): write the file as UTF-8") from None
     for i, t in enumerate(texts):
         if t is not None and not isinstance(t, str):  # numbers, lists: a column that is not the text
             raise ValueError(f"corpus {src!r}: row {i} of column {field!r} holds {type(t).__name__} {str(t)[:40]!r}, "
@@ -143,7 +147,8 @@ def _dataset_documents(ds, field: str, src: str) -> list[Document]:
 def _data_file_documents(src: str, cfg: DataConfig) -> list[Document]:
     import datasets
 
-    files = sorted(glob.glob(os.path.expanduser(src), recursive=True))
+    path = os.path.expanduser(src)  # a file is itself, even with [ * ? in its name; anything else a pattern
+    files = [path] if os.path.isfile(path) else sorted(glob.glob(path, recursive=True))
     if not files:
         raise ValueError(f"corpus {src!r} matches no file")
     exts = {_extension(f) for f in files}
@@ -158,7 +163,7 @@ def _data_file_documents(src: str, cfg: DataConfig) -> list[Document]:
     datasets.disable_progress_bars()  # a bar per split of a few local files is noise
     datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # its parse errors come back as ours, below
     try:
-        ds = datasets.load_dataset(_BUILDERS[ext], data_files=files, split="train",
+        ds = datasets.load_dataset(_BUILDERS[ext], data_files=[glob.escape(f) for f in files], split="train",
                                    cache_dir=str(cfg.resolved_cache_dir() / "hf_datasets"), **kwargs)
     except (datasets.exceptions.DatasetGenerationError, ValueError) as e:  # the parser's own error is the cause
         cause = e.__cause__ or e  # pyarrow's and an empty table's errors come as they are (ValueErrors)

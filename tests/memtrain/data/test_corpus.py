@@ -76,6 +76,18 @@ def test_jsonl_corpus_through_datasets_with_text_field(tmp_path):
         load_corpus(DataConfig(corpus=str(path), cache_dir=str(tmp_path / "cache")))
 
 
+def test_a_file_named_like_a_pattern_is_that_file_and_bad_bytes_name_it(tmp_path):
+    """`corpus [v2].jsonl` is one file, not a pattern matching `corpus v.jsonl` (read instead before); a value
+    that is not UTF-8 inside a JSON file is one line naming the corpus and the fix."""
+    mine = tmp_path / "corpus [v2].jsonl"
+    mine.write_text(json.dumps({"text": "mine"}) + "\n")
+    (tmp_path / "corpus v.jsonl").write_text(json.dumps({"text": "another file"}) + "\n")
+    assert [d.text for d in load_corpus(DataConfig(corpus=str(mine), cache_dir=str(tmp_path / "c"))).docs] == ["mine"]
+    (tmp_path / "latin1.jsonl").write_bytes(b'{"text": "caf\xe9"}\n')
+    with pytest.raises(ValueError, match=r"latin1.jsonl': column 'text' is not UTF-8 text .*write the file as UTF-8"):
+        load_corpus(DataConfig(corpus=str(tmp_path / "latin1.jsonl"), cache_dir=str(tmp_path / "c")))
+
+
 def test_save_to_disk_corpus(tmp_path):
     import datasets
 
@@ -95,6 +107,8 @@ def test_hub_corpus_fails_at_once_when_offline(monkeypatch):
 @pytest.mark.parametrize("bad, msg", [
     (dict(seq_len=1), "data.seq_len=1"), (dict(vocab_size=100), "vocab_size=100"),
     (dict(val_fraction=1.0), "val_fraction"), (dict(max_docs=0), "max_docs"),
+    (dict(file_glob=""), "data.file_glob='' is invalid: use a pattern relative"),
+    (dict(file_glob="/etc/*.txt"), "data.file_glob='/etc/.*' is invalid"),
 ])
 def test_data_config_errors(bad, msg):
     with pytest.raises(ValueError, match=msg):
