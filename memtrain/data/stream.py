@@ -30,7 +30,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import numpy as np
@@ -240,6 +240,8 @@ def build_stream(data_cfg: DataConfig, canary_cfg: CanaryConfig | None = None, s
             "max_text_tokens": data_cfg.max_text_tokens, "canaries": asdict(canary_cfg), "seed": seed}
     if data_cfg.text_piece_tokens is not None:  # None keeps the keys of streams built before pieces existed
         spec["text_piece_tokens"] = data_cfg.text_piece_tokens
+    if data_cfg.tokenizer != "bpe":  # a tokenizer's EOS is in its tokenizer_config.json, not in what the
+        spec["eos_token_id"] = int(tok.eos_token_id)  # fingerprint hashes: an edited EOS must pack anew
     if canary_cfg.file is not None:  # the path alone would let an edited file come back from the cache
         spec["canaries_file_sha256"] = canary_file.file_digest(canary_cfg.file)
         spec["canaries_file_texts_held"] = True  # streams before it trained documents holding a file's texts
@@ -290,7 +292,8 @@ def _write_stream(folder: Path, data_cfg: DataConfig, canary_cfg: CanaryConfig, 
             held.update(int(i) for i in reserved)  # every seed trains on the same text: no pool ever is text
             candidates = sorted(int(i) for i in pool)
         doc_canaries, used = make_document_canaries(canary_cfg, tok, corpus.docs, candidates,
-                                                    np.random.default_rng([content_seed, 2]), _avoid(canary_cfg))
+                                                    np.random.default_rng([content_seed, 2]),
+                                                    _avoid(canary_cfg, data_cfg))
         canaries += doc_canaries
         held.update(used)
     if canary_cfg.file is not None:
@@ -339,12 +342,14 @@ def _write_stream(folder: Path, data_cfg: DataConfig, canary_cfg: CanaryConfig, 
     write_atomic(folder / "meta.json", json.dumps(meta, indent=1).encode())  # last: marks the entry complete
 
 
-def _avoid(canary_cfg: CanaryConfig) -> str:
-    """The text no canary may come from (canaries.unique_against), as one string."""
+def _avoid(canary_cfg: CanaryConfig, data_cfg: DataConfig) -> str:
+    """The text no canary may come from (canaries.unique_against), as one string: read with the data section's
+    text_field, corpus_split, file_glob and cache, whole (every document, each one document)."""
     if canary_cfg.unique_against is None:
         return ""
     with quiet():
-        corpus = load_corpus(DataConfig(corpus=canary_cfg.unique_against, txt_sample_by="document"))
+        corpus = load_corpus(replace(data_cfg, corpus=canary_cfg.unique_against, txt_sample_by="document",
+                                     max_docs=None))
     return "\0".join(d.text for d in corpus.docs)
 
 

@@ -240,6 +240,33 @@ def test_a_canary_found_in_the_pretraining_text_is_not_used(data_cfg, tmp_path):
     assert avoided.key != first.key
 
 
+def test_unique_against_reads_its_corpus_with_the_data_sections_settings(data_cfg, tmp_path):
+    """A pretraining corpus of JSON lines whose text is in 'body', as the fine-tuning corpus's (data.text_field):
+    read with that field (it was read with the default 'text' and refused)."""
+    docs = load_corpus(data_cfg).docs
+    (tmp_path / "pre.jsonl").write_text("".join(json.dumps({"body": d.text}) + "\n" for d in docs[:5]))
+    (tmp_path / "ft.jsonl").write_text("".join(json.dumps({"body": d.text}) + "\n" for d in docs))
+    data = replace(data_cfg, corpus=str(tmp_path / "ft.jsonl"), text_field="body")
+    cfg = replace(CANARIES, number=2, kinds=["document"], unique_against=str(tmp_path / "pre.jsonl"))
+    s = build_stream(data, cfg, seed=5)
+    assert len(s.canaries) == 2 and all(c.text not in d.text for c in s.canaries for d in docs[:5])
+
+
+def test_a_tokenizer_whose_eos_changed_packs_a_new_stream(data_cfg, tmp_path):
+    """A tokenizer directory's EOS lives in its tokenizer_config.json, which the tokenizer's fingerprint does not
+    hash: the stream's key takes the EOS id, so an edited EOS is not packed with the old one's boundaries."""
+    built = build_stream(data_cfg, CANARIES, seed=0)
+    built.tokenizer.save_pretrained(tmp_path / "tok")
+    mine = replace(data_cfg, tokenizer=str(tmp_path / "tok"))
+    first = build_stream(mine, CANARIES, seed=0)
+    config = json.loads((tmp_path / "tok" / "tokenizer_config.json").read_text())
+    config["eos_token"] = "<|reserved-0|>"
+    (tmp_path / "tok" / "tokenizer_config.json").write_text(json.dumps(config))
+    second = build_stream(mine, CANARIES, seed=0)
+    assert second.key != first.key and second.eos_id != first.eos_id
+    assert int((second.tokens == second.eos_id).sum()) > 0 and int((second.tokens == first.eos_id).sum()) == 0
+
+
 @pytest.mark.parametrize("batch", [3, 4, 7])
 def test_a_pass_trains_every_row_so_every_copy_is_seen(data_cfg, batch):
     # the rows are rounded up to whole batches: a pass drops none, and no copy sits where no step reaches it
