@@ -17,7 +17,7 @@ from pathlib import Path
 from memtrain.config import RunConfig
 from memtrain.config import load as load_config
 from memtrain.files import file_lock, read_json
-from memtrain.run_files import CHECKPOINTS, CONFIG, LOCK, OUTPUTS, RUN
+from memtrain.run_files import CHECKPOINTS, CONFIG, LOCK, OUTPUTS, RUN, is_run
 from memtrain.training import checkpoint
 
 RESUMABLE = ("train.max_steps", "train.epochs", "train.log_every", "train.checkpoint_every",
@@ -33,15 +33,19 @@ _HELD: dict[Path, object] = {}
 def claim(out: Path, *, resume: bool, force: bool) -> None:
     """Refuse (or with `force` clear) another run's files in `out`, then hold its lock for this process."""
     hold(out)  # first: a directory another trainer is writing is refused even with --force
-    existing = [name for name in OUTPUTS if (out / name).exists()]
+    existing = [name for name in OUTPUTS if (out / name).exists() or (out / name).is_symlink()]
     if existing and not resume:
+        if not is_run(out):  # a run writes its config.toml first: these are someone else's (a wandb/ of their own)
+            release(out)
+            raise FileExistsError(f"{str(out)!r} holds {', '.join(existing[:3])} but no run's {CONFIG}: they are "
+                                  "not a memtrain run's files, which --force would delete; choose another --out")
         if not force:
             release(out)
             raise FileExistsError(f"{str(out)!r} already holds a run ({', '.join(existing[:3])}): --resume "
                                   "continues it, --force replaces it, or choose another --out")
         for name in existing:
-            path = out / name
-            shutil.rmtree(path) if path.is_dir() else path.unlink()
+            path = out / name  # a link (checkpoints on scratch space) goes, never what it points to
+            shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()
 
 
 def hold(out: Path) -> None:

@@ -200,6 +200,34 @@ def test_resuming_a_finished_run_leaves_its_checkpoints_as_they_were(ws, tmp_pat
     assert snapshot(run / "checkpoints") == before  # no step saved again, none added
 
 
+def test_force_never_deletes_folders_that_are_not_a_runs(ws, tmp_path):
+    """A project directory with its own wandb/ and checkpoints/ but no run's config.toml: refused, and --force is
+    not offered (it deleted them before)."""
+    out = tmp_path / "project"
+    (out / "wandb" / "offline-run-mine").mkdir(parents=True)
+    (out / "checkpoints" / "my-finetune").mkdir(parents=True)
+    before = snapshot(out)
+    for force in ([], ["--force"]):
+        r = cli("train", "--config", ws / "tiny.toml", "--out", out, *force)
+        refused(r, "but no run's config.toml: they are not a memtrain run's files")
+        assert "--force replaces" not in r.stderr
+    assert unchanged(before, out)
+
+
+def test_force_removes_a_linked_output_and_not_what_it_points_to(ws, tmp_path):
+    """checkpoints/ a link to scratch space: --force removes the link (it stopped half-way before, the metrics
+    deleted and the run unusable), never the files it points to."""
+    run = copy_run(ws, tmp_path)
+    scratch = tmp_path / "scratch"
+    shutil.move(run / "checkpoints", scratch)
+    (run / "checkpoints").symlink_to(scratch)
+    kept = snapshot(scratch)
+    r = memtrain("train", "--config", ws / "tiny.toml", "--out", run, "--force")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert not (run / "checkpoints").is_symlink() and (run / "checkpoints" / "step_000004").is_dir()
+    assert unchanged(kept, scratch)
+
+
 # -- a sweep never replaces a run it did not make ------------------------------------------------------------------
 
 @pytest.fixture()
