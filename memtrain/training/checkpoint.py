@@ -204,12 +204,15 @@ def save(run_dir: Path, plm, opt, sched, step: int, extra: dict, keep: int = 0) 
     if grid.rank == 0:
         state = dict(extra, step=step, scheduler=sched.state_dict(), rng=torch.get_rng_state().tolist(),
                      grid={a: getattr(grid, a) for a in parallel.AXES})
+        new = not final.exists()
         try:
             (tmp / "state.json").write_text(json.dumps(state))
             replace_dir(tmp, final)
             write_atomic(root / LATEST, final.name)
         except OSError as e:
             shutil.rmtree(tmp, ignore_errors=True)
+            if new:  # renamed in before `latest` failed: a later checkpoint than `latest` would block --resume
+                shutil.rmtree(final, ignore_errors=True)
             error = e
     # Every rank learns how rank 0's part went: the others would otherwise train on into a collective it never joins.
     if not _vote(error is None, grid, device):

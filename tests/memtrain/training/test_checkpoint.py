@@ -8,6 +8,7 @@ as for every cross-grid comparison of the engine.
 import errno
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -115,6 +116,26 @@ def test_a_save_that_fails_on_rank_0_fails_on_every_rank(tmp_path):
     assert "No space left on device" in said[0] and "the checkpoint of step 2 was not saved" in said[0]
     assert said[1].startswith("saving checkpoint") and "failed on rank 0" in said[1]
     assert checkpoint.latest(tmp_path).name == "step_000001"
+
+
+def test_a_latest_that_cannot_be_written_leaves_no_later_checkpoint(tmp_path, monkeypatch):
+    """The rename done, writing `latest` fails (a full disk): the error says `latest` names the checkpoint before
+    and --resume continues from it, so the renamed step goes too (a later one would make --resume refuse)."""
+    plm = parallelize(tiny("gpt2", device="meta"), parallel.Grid(1, 1, 1, 1), mode="easy", seed=3, device="cpu")
+    opt = torch.optim.AdamW(plm.parameters())
+    _moments_from_weights(plm, opt)
+    checkpoint.save(tmp_path, plm, opt, _Schedule(), 1, {})
+    write = checkpoint.write_atomic
+
+    def full(path, data):
+        if Path(path).name == checkpoint.LATEST:
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        return write(path, data)
+
+    monkeypatch.setattr(checkpoint, "write_atomic", full)
+    with pytest.raises(OSError, match="the checkpoint of step 2 was not saved"):
+        checkpoint.save(tmp_path, plm, opt, _Schedule(), 2, {})
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["latest", "step_000001"]
 
 
 def test_without_a_pointer_the_newest_complete_checkpoint_is_the_highest_step(tmp_path):
