@@ -23,6 +23,7 @@ from memtrain.config import RunConfig
 from memtrain.files import file_lock, write_atomic
 from memtrain.models import param_count
 from memtrain.run_files import check_output
+from memtrain.secrets import redact
 
 from . import slurm
 from .base_models import BaseModels
@@ -107,7 +108,7 @@ def _run_points(spec: Spec, points: list[Point], out: Path, *, overrides, resume
                               "pass --resume to collect them and run only the missing points, or choose another --out")
     write_atomic(out / "sweep.json", json.dumps({
         "name": spec.name, "description": spec.description, "source": spec.source, "overrides": overrides or [],
-        "launcher": launcher, "nproc": nproc, "cluster": dataclasses.asdict(cluster.opts) if cluster else None,
+        "launcher": launcher, "nproc": nproc, "cluster": redact(dataclasses.asdict(cluster.opts)) if cluster else None,
         "pretrain": dataclasses.asdict(spec.pretrain), "axes": spec.axes, "points": [p.id for p in points],
         "written": now()}, indent=1, default=str))
 

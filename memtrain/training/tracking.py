@@ -42,10 +42,9 @@ from memtrain.config import WANDB_MODES
 from memtrain.files import write_atomic
 from memtrain.progress import note
 from memtrain.run_files import WANDB_RUN
+from memtrain.secrets import redact
 
 _TRUE = ("1", "true", "yes", "on")
-_SECRET_KEYS = ("api_key", "apikey", "password", "passwd", "secret_key", "access_token", "auth_token",
-                "hf_token", "token", "credentials")
 DEFAULT_HOST = "https://api.wandb.ai"
 PASS_AXIS = "train/pass/pass"
 """The pass number of the probe's records: the trainer logs {"pass": scores} after every pass, which `log` flattens
@@ -105,16 +104,6 @@ def resolve_mode(mode: str | None) -> str:
     if has_credentials() and network_reachable():
         return "online"
     return "offline"
-
-
-def redact(obj):
-    """A copy of a config-like structure with secret-looking keys' values replaced."""
-    if isinstance(obj, dict):
-        return {k: ("<redacted>" if str(k).lower() in _SECRET_KEYS and v is not None else redact(v))
-                for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [redact(v) for v in obj]
-    return obj
 
 
 def _scalar(v):
