@@ -45,7 +45,11 @@ def note(msg: str) -> None:
 
 
 def seconds(s: float) -> str:
-    return f"{s:.1f} s" if s < 60 else f"{s // 60:.0f} min {s % 60:02.0f} s"
+    """59.94 -> '59.9 s'; 119.7 -> '2 min 00 s' (rounded first: never '60.0 s' or '1 min 60 s')."""
+    if round(s, 1) < 60:
+        return f"{s:.1f} s"
+    whole = round(s)
+    return f"{whole // 60} min {whole % 60:02d} s"
 
 
 @contextlib.contextmanager
@@ -76,7 +80,8 @@ def quiet():
 
 def count(n: float) -> str:
     """1234 -> '1,234'; 5_600_000 -> '5.6M'."""
-    for unit, size in (("G", 1e9), ("M", 1e6)):
-        if n >= size:
-            return f"{n / size:.1f}{unit}"
+    if round(n / 1e9, 1) >= 1:  # 999,999,999 rounds to '1.0G', not '1000.0M'
+        return f"{n / 1e9:.1f}G"
+    if n >= 1e6:
+        return f"{n / 1e6:.1f}M"
     return f"{n:,.0f}"

@@ -63,3 +63,6 @@ def test_quiet_and_a_failing_stage(no_process_group, capsys):
 def test_counts_and_durations():
     assert [progress.count(n) for n in (7, 1234, 5_600_000, 2.5e9)] == ["7", "1,234", "5.6M", "2.5G"]
     assert [progress.seconds(s) for s in (0.04, 41.26, 75)] == ["0.0 s", "41.3 s", "1 min 15 s"]
+    # rounded before the units are chosen: never '60.0 s', '1 min 60 s' or '1000.0M'
+    assert [progress.seconds(s) for s in (59.97, 119.7)] == ["1 min 00 s", "2 min 00 s"]
+    assert progress.count(999_999_999) == "1.0G"
