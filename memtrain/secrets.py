@@ -11,15 +11,13 @@ import re
 
 REDACTED = "<redacted>"
 _SECRET_WORDS = {"key", "token", "password", "passwd", "credentials", "apikey"}
-_SECRET_KEYS = {"api_key", "apikey", "secret_key", "access_token", "auth_token", "hf_token"}
 _ASSIGNED = re.compile(r"\b([A-Za-z_][\w.]*)(\s*=\s*)(['\"]?)[^\s'\"]+\3")
 
 
 def secret_key(name) -> bool:
     """Whether a key's name says it holds a secret: one of its words (WANDB_API_KEY: wandb, api, key) is one
     (secret_groups, a count of digit groups, and tokenizer are not)."""
-    name = str(name).lower()
-    return name in _SECRET_KEYS or bool(set(re.split(r"[^a-z0-9]+", name)) & _SECRET_WORDS)
+    return bool(set(re.split(r"[^a-z0-9]+", str(name).lower())) & _SECRET_WORDS)
 
 
 def redact(obj):
