@@ -10,7 +10,7 @@
 #          profiled step of each side (where memtrain's 13% went on the H100, 2026-11-24)
 #   compile the same with every transformer block torch.compile'd on both sides (train.compile; 4 warm-up steps
 #          hold the compilations) and one profiled step of each: whether fused blocks move MFU towards the issue's
-#          40% (eager: 24.0%)
+#          40% (eager: 25.6%, in today's FLOP count)
 #   train  `memtrain train` on llama-3.2-1b, bf16, 12 steps, four ways: as is, train.optimizer_offload=true,
 #          parallel.tune_matmul=true and train.compile=true; per run the median step time and MFU after the first
 #          step (a compiled run's first two steps compile), and peak memory

@@ -24,16 +24,17 @@ positions restart at every packed document) go to both. --precision bf16 is auto
 and loss on both sides, as the trainer applies it (weights, gradients and AdamW stay fp32); fp32 is no autocast.
 On CUDA each plain step starts and ends with torch.cuda.synchronize.
 
-The two loops run interleaved, step by step (A B A B ...), through train()'s callbacks: `on_setup`
-snapshots the initial weights for the plain model, `on_step` runs the plain loop's step of the same index
-right after memtrain's (train() has measured its step by then). Reported per model, over the steps after `--warmup`:
-median tokens/s of each side, the ratio of medians, the median of the per-step paired ratios (which
-cancels load drifting between steps), the same paired ratio on process CPU seconds, MFU = 6 * params *
-tokens/s / peak, and the step-1 and step-2 losses of both sides (step 2 follows one clipped AdamW update, so it
-checks gradients, clipping and the optimizer too) with their relative difference (above LOSS_TOL fails the run:
-1e-4 in fp32, 1e-3 in bf16, whose 8-bit significands turn any difference in summation order into larger steps;
-measured on a CPU at ladder-1m, rows packing 2-3 documents: at most 6e-8 in fp32, 5e-6 in bf16; on an H100 at
-llama-3.2-1b in bf16: 4.4e-6 and 2.4e-6, the step-1 gradient norm 1.0e-4). Target: paired ratio >= 0.95.
+The two loops run interleaved, step by step (A B A B ...), through train()'s callbacks: `on_setup` snapshots the
+initial weights for the plain model, `on_step` runs the plain loop's step of the same index right after memtrain's
+(train() has measured its step by then). Reported per model, over the steps after `--warmup`: median tokens/s of
+each side, the ratio of medians, the median of the per-step paired ratios (which cancels load drifting between
+steps), the same paired ratio on process CPU seconds, MFU = FLOPs per token (the trainer's and the planner's:
+memtrain.training.perf.flops_per_token) * tokens/s / peak, and the step-1 and step-2 losses of both sides (step 2
+follows one clipped AdamW update, so it checks gradients, clipping and the optimizer too) with their relative
+difference (above LOSS_TOL fails the run: 1e-4 in fp32, 1e-3 in bf16, whose 8-bit significands turn any difference
+in summation order into larger steps; measured on a CPU at ladder-1m, rows packing 2-3 documents: at most 6e-8 in
+fp32, 5e-6 in bf16; on an H100 at llama-3.2-1b in bf16: 4.4e-6 and 2.4e-6, the step-1 gradient norm 1.0e-4). Target:
+paired ratio >= 0.95.
 The peak: on CPU memtrain.training.perf.matmul_peak_flops in the run's dtype (at the torch thread count in use;
 the best of re-measurements at the start, between steps and after each model); on CUDA
 memtrain.training.perf.mfu_peak, the one the trainer's MFU uses (the GPU's dense bf16 datasheet peak, or a
@@ -48,8 +49,9 @@ AdamW state too), and the step's own part of it: that peak above what was alloca
 Measured on one GPU once (2026-11-24: NVIDIA H100 80GB HBM3, torch 2.11.0+cu130, transformers 5.23, the
 defaults: llama-3.2-1b, bf16, batch 8 x 1024, 10 steps after 2): memtrain 40,236 tok/s, the plain loop 46,021;
 ratio 0.874, paired 0.866 [0.64, 0.89]: BELOW the 0.95 target; MFU 24.0% vs 27.4% of the 989 TFLOP/s datasheet
-peak; peak memory 43,992 MiB vs 45,863 (both models resident), the step's own part 13,973 vs 15,845 MiB. That
-step was not profiled on the GPU. A CPU stand-in for a launch-bound step, where a step's time is the host's
+peak (then counted as 6 x all parameters per token; today's count, with attention, gives 25.6% vs 29.3%); peak
+memory 43,992 MiB vs 45,863 (both models resident), the step's own part 13,973 vs 15,845 MiB. That step was not
+profiled on the GPU. A CPU stand-in for a launch-bound step, where a step's time is the host's
 dispatch work (`--precision bf16 --batch 1 --seq 128 --threads 1`), gave 0.841 at ladder-1m and 0.907 at
 ladder-10m (paired, 60 steps), as on the H100. The host's extra work was the engine's per Linear (its autograd
 function, a prefetcher lookup and the weight cast again in backward) and embedding lookup, a gradient-sync lookup
@@ -97,7 +99,7 @@ from memtrain.config import RunConfig  # noqa: E402
 from memtrain.hf.parallelize import transformer_blocks  # noqa: E402
 from memtrain.models import build_model  # noqa: E402
 from memtrain.training import build_schedule, train  # noqa: E402
-from memtrain.training.perf import Peak, matmul_peak_flops, mfu_peak  # noqa: E402
+from memtrain.training.perf import Peak, flops_per_token, matmul_peak_flops, mfu_peak  # noqa: E402
 from memtrain.training.step import adamw_kwargs  # noqa: E402
 
 TARGET = 0.95
@@ -244,6 +246,7 @@ def run_model(name: str, args) -> dict:
         init = {k: v.detach().clone() for k, v in plm.full_state_dict().items()}
         state["plain_loop"] = PlainLoop(cfg, stream, init, total, device)
         state["params"], state["device"] = plm.num_params(), device
+        state["flops_per_token"] = flops_per_token(plm.config, plm.num_params(), stream.seq_len)
         del init
         state["cpu_mark"] = time.process_time()
         state["mem_base"] = _memory_mark(device)
@@ -293,7 +296,8 @@ def run_model(name: str, args) -> dict:
         return max(side[i][key] for i in timed) if args.device == "cuda" else None
 
     res = {
-        "model": name, "params": params, "tokens_per_step": args.batch * args.seq,
+        "model": name, "params": params, "flops_per_token": state["flops_per_token"],
+        "tokens_per_step": args.batch * args.seq,
         "device": args.device, "precision": args.precision, "compile": args.compile,
         "memtrain_tok_s": statistics.median(mt_tps), "plain_tok_s": statistics.median(pl_tps),
         "paired_ratio": statistics.median(paired),
@@ -316,8 +320,8 @@ def print_table(results: list[dict], args) -> None:
     peak = peak_of(args)
     for r in results:
         r["peak_flops"], r["peak_source"] = peak.flops, peak.source
-        r["memtrain_mfu"] = 6 * r["params"] * r["memtrain_tok_s"] / peak.flops
-        r["plain_mfu"] = 6 * r["params"] * r["plain_tok_s"] / peak.flops
+        r["memtrain_mfu"] = r["flops_per_token"] * r["memtrain_tok_s"] / peak.flops
+        r["plain_mfu"] = r["flops_per_token"] * r["plain_tok_s"] / peak.flops
     where = (f"{torch.get_num_threads()} torch threads" if args.device == "cpu"
              else torch.cuda.get_device_name(torch.cuda.current_device()))
     peak_line = (f"matmul peak {peak.flops / 1e9:.1f} GFLOP/s" if args.device == "cpu"

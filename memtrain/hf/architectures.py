@@ -71,6 +71,15 @@ class Shape:
     """Rows of a learned position table (GPT-2's wpe): a parameter without communication."""
     gated_mlp: bool = False
 
+    def flops_per_token(self, seq: int) -> float:
+        """Training FLOPs per token at sequence length `seq`: MFU's numerator, for the trainer's figure and the
+        planner's alike. 6 x the parameters that multiply (every block's weight matrices and the LM head; not the
+        input embedding, whose lookup multiplies nothing, nor norms and biases) + 12 x layers x heads x head_dim
+        x seq for attention's two products, forward and backward, counted in full as PaLM's MFU counts them."""
+        matmul = self.layers * sum(m.rows * m.cols for m in self.block if isinstance(m, Matrix))
+        matmul += self.vocab * self.hidden
+        return 6.0 * matmul + 12.0 * self.layers * self.heads * self.head_dim * seq
+
 
 class Architecture:
     """Any causal LM: easy mode only, HF's initializer_range for every seeded matrix."""

@@ -1,4 +1,7 @@
-"""MFU's denominator, and whether bf16 beats fp32 here.
+"""MFU's numerator and denominator, and whether bf16 beats fp32 here.
+
+The numerator is the planner's (`Shape.flops_per_token`): 6 x the parameters that multiply + attention's products,
+so a run's MFU and `memtrain plan`'s predicted one compare.
 
 On a CUDA GPU the denominator is its dense bf16 tensor-core peak from NVIDIA's datasheet (`BF16_DATASHEET`),
 whatever precision the run uses: MFU then says how far a run is from what the GPU can do, and an fp32 run shows
@@ -18,6 +21,8 @@ from typing import NamedTuple
 
 import torch
 
+from memtrain.hf.architectures import architecture_of
+
 # Dense bf16 tensor-core peaks, TFLOP/s. NVIDIA's datasheets print the figure with sparsity (marked *), twice
 # these. Matched in order against torch.cuda.get_device_name: the H100 SXM reports "NVIDIA H100 80GB HBM3", the
 # PCIe card "NVIDIA H100 PCIe" (HBM2e memory). Left out on purpose: H100/H200 NVL, GH200 and every other GPU
@@ -29,6 +34,17 @@ BF16_DATASHEET: tuple[tuple[str, float, str], ...] = (
     (r"\bA100\b", 312.0, "A100"),  # NVIDIA A100 Tensor Core GPU datasheet: 312 / 624* (SXM and PCIe alike)
     (r"\bL4\b", 121.0, "L4"),  # NVIDIA L4 Tensor Core GPU datasheet: 242*
 )
+
+
+def flops_per_token(config, num_params: int, seq: int) -> float:
+    """Training FLOPs per token of a transformers model at sequence length `seq` (`Shape.flops_per_token`). An
+    architecture the planner does not model counts every parameter but an untied input embedding's as multiplying,
+    and attention as hidden_size-wide."""
+    arch = architecture_of(config)
+    if arch.sharded:
+        return arch.shape(config).flops_per_token(seq)
+    lookup = 0 if getattr(config, "tie_word_embeddings", False) else config.vocab_size * config.hidden_size
+    return 6.0 * (num_params - lookup) + 12.0 * config.num_hidden_layers * config.hidden_size * seq
 
 
 class Peak(NamedTuple):

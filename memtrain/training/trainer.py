@@ -32,8 +32,7 @@ from memtrain.hf import ParallelLM, parallelize
 from memtrain.losses import keep_mask
 from memtrain.models import build_model
 from memtrain.run_files import CONFIG, METRICS, PASSES, RUN, TOKENIZER
-from memtrain.training import checkpoint, run_dir
-from memtrain.training.perf import mfu_peak
+from memtrain.training import checkpoint, perf, run_dir
 from memtrain.training.probe import pass_scores
 from memtrain.training.step import autocast_dtype, build_optimizer, build_schedule, peak_lr, train_step
 from memtrain.training.tracking import Tracker
@@ -160,7 +159,9 @@ def train(cfg: RunConfig, out_dir: str | Path, *, resume: bool = False, force: b
     n_local = rows.stop - rows.start
     mb = t.micro_batch_size or n_local
     if n_local % mb:
-        raise ValueError(f"train.micro_batch_size={mb} does not divide this rank's {n_local} sequences per step")
+        fits = [d for d in range(1, n_local + 1) if n_local % d == 0]
+        raise ValueError(f"train.micro_batch_size={mb} does not divide this rank's {n_local} sequences per step: "
+                         f"use one of {fits}")
     steps_per_epoch = len(stream) // B  # the stream's rows are whole batches of B
     if steps_per_epoch < 1:
         raise ValueError(f"the stream has {len(stream)} sequences, fewer than train.batch_size={B}: "
@@ -190,7 +191,8 @@ def train(cfg: RunConfig, out_dir: str | Path, *, resume: bool = False, force: b
         if grid.rank == 0:
             for path in (metrics_path, passes_path):
                 _truncate_jsonl(path, start)
-    peak = mfu_peak(device, amp or torch.float32)
+    peak = perf.mfu_peak(device, amp or torch.float32)
+    flops_per_token = perf.flops_per_token(plm.config, plm.num_params(), stream.seq_len)
     if grid.rank == 0:
         trained = {"steps": total, "epochs": t.epochs, "steps_per_pass": steps_per_epoch}
         stream.write_manifest(out, B, grid.data if plm.mode == "sharded" else grid.world_size)
@@ -199,12 +201,11 @@ def train(cfg: RunConfig, out_dir: str | Path, *, resume: bool = False, force: b
             "grid": {a: getattr(grid, a) for a in parallel.AXES},
             "mode": plm.mode, "params": plm.num_params(), "hidden_size": plm.config.hidden_size,
             "lr": peak_lr(cfg, plm.config.hidden_size), "precision": "bf16" if amp else "fp32",
-            "mfu_peak": {"flop_s": peak.flops, "source": peak.source},
+            "mfu_peak": {"flop_s": peak.flops, "source": peak.source}, "flops_per_token": flops_per_token,
             "config": cfg.to_dict()}))  # what a resume checks config.toml against (run_dir.check_resume)
         with atomic_dir(out / TOKENIZER) as tmp:  # `memtrain export` then needs neither cache nor corpus
             stream.tokenizer.save_pretrained(tmp)
 
-    flops_per_token = 6 * plm.num_params()
     last: dict = {}
     rates: list[float] = []
     tracker = Tracker.start(cfg, out, grid.rank)

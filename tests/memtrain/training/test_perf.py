@@ -1,11 +1,14 @@
-"""MFU's denominator: NVIDIA's dense bf16 datasheet peak by GPU name (no GPU needed to check the table's matching),
-and the measured matmul everywhere else."""
+"""MFU's numerator (the planner's FLOP count) and denominator: NVIDIA's dense bf16 datasheet peak by GPU name (no
+GPU needed to check the table's matching), and the measured matmul everywhere else."""
 
 import pytest
 import torch
 
+from memtrain.plan.compute import model_flops
+from memtrain.plan.cost import shape_of
 from memtrain.training import perf
 from memtrain.training.perf import datasheet_peak, matmul_peak_flops, mfu_peak
+from tests.memtrain._models import tiny
 
 
 @pytest.mark.parametrize("name, tflops, label", [
@@ -75,3 +78,20 @@ class _BurstClock:
     def matmul(self, a, b):
         self.time += self.seconds[a.dtype] + 100.0 * (self.calls in self.burst)
         self.calls += 1
+
+
+@pytest.mark.parametrize("family", ["llama", "neox", "gpt2", "opt"])
+def test_mfu_numerator_is_the_planners_and_leaves_out_the_lookup_table(family):
+    """The trainer's FLOPs per token equal `memtrain plan`'s (so a run's MFU and the plan's compare); a family the
+    planner does not model (OPT) counts every parameter as multiplying except an untied input embedding table,
+    which only looks rows up (tied, the same table is the LM head and multiplies)."""
+    config = tiny(family, "meta").config
+    n, seq = 10_000, 16
+    got = perf.flops_per_token(config, n, seq)
+    if family != "opt":
+        assert got == model_flops(shape_of(config), 1, seq) / seq
+        return
+    attention = 12.0 * config.num_hidden_layers * config.hidden_size * seq
+    assert config.tie_word_embeddings and got == 6.0 * n + attention
+    config.tie_word_embeddings = False
+    assert perf.flops_per_token(config, n, seq) == 6.0 * (n - config.vocab_size * config.hidden_size) + attention

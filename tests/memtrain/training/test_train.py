@@ -18,6 +18,9 @@ import torch
 import parallel
 from memtrain.config import load
 from memtrain.data.corpus import load_corpus
+from memtrain.models import get_config
+from memtrain.plan.compute import model_flops
+from memtrain.plan.cost import shape_of
 from memtrain.training import (  # here, not in the ranks: forked, they find them imported
     checkpoint,
     run_dir,
@@ -55,6 +58,11 @@ def test_run_directory_has_everything(finished_run):
         assert peak == {"flop_s": sheet.flops, "source": sheet.source}
     else:
         assert peak["flop_s"] > 0 and peak["source"].startswith("measured ")
+    # MFU's numerator is the planner's FLOP count, so a run's MFU and `memtrain plan`'s compare
+    config = get_config(load(finished_run / "config.toml").model.name, data.vocab_size)
+    assert run["flops_per_token"] == model_flops(shape_of(config), 1, data.seq_len) / data.seq_len
+    for x in lines:
+        assert x["mfu"] == pytest.approx(run["flops_per_token"] * x["tokens_per_s"] / peak["flop_s"], rel=1e-12)
     result = json.loads((finished_run / "eval.json").read_text())
     for key in ("exact_match_rate", "token_match", "rougeL", "pythia_32_score", "exposure_mean", "mia_auc_loss",
                 "val_loss", "by_copies"):
@@ -234,3 +242,6 @@ def test_compiled_run_trains_as_the_eager_one(recipe, finished_run, tmp_path):
     eager = load(out / "config.toml")
     eager.train.compile = False
     assert run_dir.resume_blockers(saved, eager) == []  # how a step computes, not what: a resume may change it
+    # so is the permission to run a model directory's code: only --trust-remote-code gives it, on each command
+    eager.model.trust_remote_code = True
+    assert run_dir.resume_blockers(saved, eager) == []
