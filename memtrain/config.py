@@ -105,7 +105,8 @@ class TrainConfig:
     lr_scale: float = 1.0
     """Multiplies the learning rate (and min_lr) the rule gives: for learning-rate sweeps around the rule."""
     warmup_steps: int = 10
-    """Linear warm-up steps before the cosine decay."""
+    """Linear warm-up steps before the cosine decay (at most the run's steps - 1: a shorter run reaches lr at its
+    last step)."""
     weight_decay: float = 0.1
     """AdamW weight decay on matrices (not on norms, biases)."""
     beta1: float = 0.9
@@ -272,6 +273,10 @@ def validate(cfg: RunConfig) -> RunConfig:
     if cfg.train.min_lr > cfg.train.lr:
         raise ValueError(f"train.min_lr={cfg.train.min_lr} exceeds train.lr={cfg.train.lr}: the schedule "
                          "decays from lr to min_lr, so use min_lr <= lr")
+    loss = cfg.loss
+    if loss.kind == "goldfish" and loss.mask == "hashed" and loss.h >= cfg.data.seq_len:
+        raise ValueError(f"loss.h={loss.h} leaves no target of a data.seq_len={cfg.data.seq_len} sequence its h tokens "
+                         "of context, so the Goldfish mask would drop nothing: use h < seq_len (the paper: 13)")
     c = cfg.canaries
     if c.number and cfg.eval.enabled and set(c.kinds) & {"document"} and cfg.eval.suffix_len >= c.length:
         raise ValueError(f"eval.suffix_len={cfg.eval.suffix_len} leaves no prefix of the {c.length}-token document "

@@ -22,10 +22,11 @@ from memtrain.training import checkpoint
 
 RESUMABLE = ("train.max_steps", "train.epochs", "train.log_every", "train.checkpoint_every",
              "train.checkpoint_every_min", "train.keep_checkpoints", "train.compile", "train.activation_checkpointing",
-             "eval.*", "wandb.*", "parallel.*")
-"""Keys a resumed run may change: how long it goes on, what it evaluates and logs, and how a step computes what
-it computes: the grid (checkpoints hold full tensors and load on any grid), compiled blocks, recomputed
-activations."""
+             "train.micro_batch_size", "model.trust_remote_code", "eval.*", "wandb.*", "parallel.*")
+"""Keys a resumed run may change: how long it goes on, what it evaluates and logs, how a step computes what it
+computes: the grid (checkpoints hold full tensors and load on any grid), compiled blocks, recomputed activations,
+micro-batches (a rank's share of a batch on another grid may need another), and the permission to run a model
+directory's own code, which the command line gives and a resume must be able to give again."""
 
 _HELD: dict[Path, object] = {}
 

@@ -73,13 +73,16 @@ def adamw_kwargs(device_types: Iterable[str]) -> dict:
 
 def build_schedule(opt, cfg: RunConfig, total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
     """Linear warm-up to the optimizer's lr, then a cosine decay to min_lr / lr of it at `total_steps` (the
-    ratio of train.min_lr to train.lr, so a width-scaled lr keeps its schedule's shape)."""
+    ratio of train.min_lr to train.lr, so a width-scaled lr keeps its schedule's shape). A run shorter than its
+    warm-up warms up over all its steps, reaching lr at its last, rather than training on a ramp that never gets
+    there."""
     t = cfg.train
+    warmup = min(t.warmup_steps, max(0, total_steps - 1))
 
     def factor(step: int) -> float:
-        if step < t.warmup_steps:
-            return (step + 1) / (t.warmup_steps + 1)
-        progress = (step - t.warmup_steps) / max(1, total_steps - t.warmup_steps)
+        if step < warmup:
+            return (step + 1) / (warmup + 1)
+        progress = (step - warmup) / max(1, total_steps - warmup)
         cosine = 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
         return (t.min_lr + (t.lr - t.min_lr) * cosine) / t.lr
 

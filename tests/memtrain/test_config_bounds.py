@@ -77,3 +77,12 @@ def test_overrides_are_checked_on_their_own(items, expect):
 
 def test_defaults_pass_their_own_bounds():
     assert from_dict({}) == RunConfig()
+
+
+def test_a_goldfish_context_as_long_as_the_sequence_is_refused():
+    """The hashed mask drops a target only after h tokens of its document: at h >= seq_len it would drop nothing and
+    the run, recorded as Goldfish, would train the standard loss."""
+    with pytest.raises(ValueError, match=r"^loss.h=64 leaves no target of a data.seq_len=64 sequence"):
+        from_dict({"loss": {"kind": "goldfish", "h": 64}, "data": {"seq_len": 64}})
+    assert from_dict({"loss": {"kind": "goldfish", "h": 63}, "data": {"seq_len": 64}}).loss.h == 63
+    assert from_dict({"loss": {"kind": "goldfish", "h": 64, "mask": "static"}, "data": {"seq_len": 64}})  # no context

@@ -72,11 +72,13 @@ def test_dangling_latest_falls_back_to_the_newest_complete_checkpoint(recipe, si
 
 
 def test_resume_on_another_grid(recipe, six_steps, four_steps, tmp_path):
+    """With another micro-batch too: a rank's share of the batch on another grid may need one, and accumulating
+    gradients over micro-batches changes only their summation order."""
     out = tmp_path / "run"
     shutil.copytree(four_steps, out, ignore=shutil.ignore_patterns(".lock"))
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                         "-m", "memtrain", "train", "--config", str(recipe), "--out", str(out), "--resume",
-                        "--set", "parallel.data=1", "--set", "parallel.x=2"],
+                        "--set", "parallel.data=1", "--set", "parallel.x=2", "--set", "train.micro_batch_size=2"],
                        capture_output=True, text=True, env=CPU_RANKS, cwd=ROOT, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     got, want = losses(out), losses(six_steps)

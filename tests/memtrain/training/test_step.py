@@ -1,6 +1,6 @@
-"""The step's ingredients: the learning-rate rule across widths, precision 'auto' (a probe, not a guess), AdamW's
-implementation per device, and the gradient sync overlapped with backward (parallel.grad_sync) against the blocking
-one."""
+"""The step's ingredients: the learning-rate rule across widths, the schedule of a run shorter than its warm-up,
+precision 'auto' (a probe, not a guess), AdamW's implementation per device, and the gradient sync overlapped with
+backward (parallel.grad_sync) against the blocking one."""
 
 import pytest
 import torch
@@ -8,7 +8,7 @@ import torch
 import parallel
 from memtrain.config import RunConfig
 from memtrain.hf import parallelize
-from memtrain.training import autocast_dtype, build_optimizer
+from memtrain.training import autocast_dtype, build_optimizer, build_schedule
 from memtrain.training.perf import bf16_faster, matmul_peak_flops
 from memtrain.training.step import adamw_kwargs, peak_lr
 from tests.memtrain._models import tiny
@@ -28,6 +28,25 @@ def test_learning_rate_rule_scales_with_width():
     sqrt = _cfg(lr=8e-3, lr_width=32, lr_width_exponent=0.5)
     assert peak_lr(sqrt, 128) == pytest.approx(4e-3)
     assert peak_lr(_cfg(lr=6e-3, lr_width=32, lr_scale=2.0), 64) == pytest.approx(6e-3)
+
+
+def _lrs(cfg, steps):
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=cfg.train.lr)
+    sched = build_schedule(opt, cfg, steps)
+    out = []
+    for _ in range(steps):
+        out.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    return out
+
+
+def test_a_run_shorter_than_its_warmup_reaches_its_lr_at_its_last_step():
+    """warmup_steps=10 (the default) on a 5-step run: the ramp is cut to the run, peaking at the last step, rather
+    than training 5 steps at 9% to 45% of lr; a run longer than its warm-up keeps it as set."""
+    assert _lrs(_cfg(lr=1e-3, min_lr=1e-4, warmup_steps=10), 5) == pytest.approx([2e-4, 4e-4, 6e-4, 8e-4, 1e-3])
+    long = _lrs(_cfg(lr=1e-3, min_lr=1e-4, warmup_steps=3), 20)
+    assert long[:4] == pytest.approx([2.5e-4, 5e-4, 7.5e-4, 1e-3]) and long[-1] > 1e-4 and long[4] < 1e-3
 
 
 def test_auto_precision_follows_the_probe_and_leaves_the_rng_alone():
