@@ -23,7 +23,7 @@ from torch import nn
 from . import comm
 from .grid import Grid
 from .linear import FeaturesToRows, MatmulFn, RowsToFeatures, ShardedWeight, whole_linear
-from .sharding import BlockLayout, tag
+from .sharding import BlockLayout, check_sizes, tag
 
 IGNORE_INDEX = -100
 
@@ -75,6 +75,13 @@ class Embedding(ShardedWeight):
                  mode: str = "easy", grid: Grid | None = None, init_std: float = 0.02, seed: int = 0,
                  name: str = "embedding", device=None, dtype=None):
         super().__init__()
+        check_sizes(name, num_embeddings=num_embeddings, embedding_dim=embedding_dim)
+        if padding_idx is not None:
+            if not -num_embeddings <= padding_idx < num_embeddings:
+                raise ValueError(f"{name}: padding_idx={padding_idx} is outside a table of {num_embeddings} rows: "
+                                 f"use {-num_embeddings}..{num_embeddings - 1}, or None")
+            # As torch's nn.Embedding: the sharded path compares ids with it, where -1 would match no token id
+            padding_idx %= num_embeddings
         self.num_embeddings, self.embedding_dim, self.padding_idx = num_embeddings, embedding_dim, padding_idx
         layout = BlockLayout(num_embeddings, embedding_dim, row_axis="y", col_axis="x")
         self._init_weight(layout, in_axis="y", out_axis="x", mode=mode, grid=grid, init_std=init_std, seed=seed,
@@ -109,6 +116,10 @@ class ColumnEmbedding(nn.Module):
 
     def __init__(self, rows: int, hidden: int, grid: Grid, device=None, dtype=None):
         super().__init__()
+        check_sizes("ColumnEmbedding", rows=rows, hidden=hidden)
+        if hidden % grid.x:
+            raise ValueError(f"ColumnEmbedding: hidden size {hidden} is not divisible by parallel.x={grid.x}: "
+                             f"choose a degree that divides {hidden}")
         self.weight = tag(nn.Parameter(torch.empty(rows, hidden // grid.x, device=device, dtype=dtype)),
                           ("x",), ("z", "data"))
 
@@ -187,6 +198,7 @@ class LMHead(ShardedWeight):
                  mode: str = "easy", grid: Grid | None = None, init_std: float = 0.02, seed: int = 0,
                  name: str = "lm_head", device=None, dtype=None):
         super().__init__()
+        check_sizes(name, hidden=hidden, vocab=vocab)
         self.hidden, self.vocab, self.valid = hidden, vocab, vocab if valid is None else valid
         layout = BlockLayout(vocab, hidden, row_axis="y", col_axis="x")
         if tie_to is not None:

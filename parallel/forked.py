@@ -2,9 +2,10 @@
 
 Forking (not spawning) costs ~0.1 s instead of ~7 s for 8 ranks; the rendezvous is a file:// store in
 a temporary directory (no ports), and every collective is bounded by the process-group timeout.
-A rank that raises sends its traceback to the parent, which raises it; a rank that hangs is killed
-after `timeout` seconds. Functions should return measurements (errors, norms, times) rather than
-assert, so one bad case never leaves the other ranks stuck in a collective.
+A rank that raises sends its traceback to the parent, which raises it; a rank that dies without a word
+(os._exit, a segfault, the OOM killer) is noticed within POLL_S; a rank that hangs is killed after `timeout`
+seconds. Functions should return measurements (errors, norms, times) rather than assert, so one bad case never
+leaves the other ranks stuck in a collective.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import pickle
 import queue
 import sys
 import tempfile
+import time
 import traceback
 
 import torch
@@ -60,6 +62,35 @@ def _context():
     return ctx
 
 
+POLL_S = 0.25
+"""Seconds between the parent's looks for a rank that died without reporting."""
+
+
+def _collect(procs, q, timeout: float, results: list, errors: list) -> None:
+    """Fill `results` by rank from the ranks' reports, or stop at the first error, dead rank or `timeout`."""
+    deadline, reported = time.monotonic() + timeout, set()
+    while len(reported) < len(procs):
+        # Exit codes read before the queue: a rank that reported and exited has its report in the pipe by then.
+        dead = [r for r, p in enumerate(procs) if r not in reported and p.exitcode is not None]
+        try:
+            rank, status, payload = q.get(timeout=max(0.0, min(POLL_S, deadline - time.monotonic())))
+        except queue.Empty:
+            if dead:
+                code = procs[dead[0]].exitcode
+                errors.append(f"rank {dead[0]} exited with code {code} without reporting"
+                              f"{f' (killed by signal {-code})' if code < 0 else ''}")
+                return
+            if time.monotonic() >= deadline:
+                errors.append(f"timed out after {timeout:.0f} s waiting for ranks")
+                return
+            continue
+        reported.add(rank)
+        if status != "ok":
+            errors.append(f"rank {rank}:\n{payload}")
+            return
+        results[rank] = pickle.loads(payload)
+
+
 def run_ranks(world_size: int, fn, *args, timeout: float = 600.0, backend: str = "gloo",
               pg_timeout: float = 120.0) -> list:
     """Run fn(rank, world_size, *args) on `world_size` forked ranks (one torch thread each); results by rank.
@@ -78,15 +109,7 @@ def run_ranks(world_size: int, fn, *args, timeout: float = 600.0, backend: str =
             p.start()
         results, errors = [None] * world_size, []
         try:
-            for _ in range(world_size):
-                rank, status, payload = q.get(timeout=timeout)
-                if status == "ok":
-                    results[rank] = pickle.loads(payload)
-                else:
-                    errors.append(f"rank {rank}:\n{payload}")
-                    break
-        except queue.Empty:
-            errors.append(f"timed out after {timeout:.0f} s waiting for ranks")
+            _collect(procs, q, timeout, results, errors)
         finally:
             for p in procs:
                 p.join(timeout=5 if not errors else 0.5)

@@ -15,13 +15,14 @@ of a fresh output buffer, which hit whichever layout the allocator serves one: o
 1.7x "faster" by allocator luck alone); a layout replaces `given` only when it is MARGIN faster.
 
 Agreement: AxoNN times on each rank alone, so noisy timings can give ranks different kernels. Here rank 0 of the
-layer's grid times and broadcasts its choice over the whole grid, with a checksum of its key: every rank runs the
-same kernel (a rank whose shapes differ raises rather than running another one). Every rank reaches each GEMM
-at the same point of the same step (the engine splits batches evenly), so each key costs one 16-byte broadcast
-per process; it is setup, not a step's traffic, and stays out of comm.LEDGER (the planner's byte model is a
-step's). Rank 0 answers from the cache file when it holds the key, else times and adds it to the file (atomic
-rewrite; last writer wins). Choices differ between runs only by timing noise: a run that must repeat bit for
-bit, or resume bitwise, reads its choices from a file (the trainer keeps one in the run directory).
+layer's grid times and broadcasts its choice over the whole grid, with a checksum of its key less the device: every
+rank runs the same kernel (a rank whose shapes differ raises rather than running another one; one with other CPU
+threads or another device name takes rank 0's choice). Every rank reaches each GEMM at the same point of the same
+step (the engine splits batches evenly), so each key costs one 16-byte broadcast per process; it is setup, not a
+step's traffic, and stays out of comm.LEDGER (the planner's byte model is a step's). Rank 0 answers from the cache
+file when it holds the key, else times and adds it to the file (atomic rewrite; last writer wins). Choices differ
+between runs only by timing noise: a run that must repeat bit for bit, or resume bitwise, reads its choices from a
+file (the trainer keeps one in the run directory).
 
 Numerics (NUMERICS): `given` is bitwise the untuned path; the other layouts sum in another order for some shapes
 (MKL fp32: small ones, oneDNN bf16: long reductions): within a few fp32 roundings, or one bf16 rounding.
@@ -185,9 +186,11 @@ def _order(t: torch.Tensor) -> str:
     return "r" if t.is_contiguous() else "c" if t.t().is_contiguous() else "s"
 
 
-def _key(a: torch.Tensor, b: torch.Tensor, gemm: str) -> str:
+def _problem(a: torch.Tensor, b: torch.Tensor, gemm: str) -> str:
+    """What every rank of a grid must multiply alike: dtype, GEMM, shape and operand orders. The key adds the
+    device (and CPU threads), which may differ between ranks: rank 0's choice holds for the grid all the same."""
     (m, k), n = a.shape, b.shape[1]
-    return f"{_device_name(a.device)}|{str(a.dtype).removeprefix('torch.')}|{gemm}|{m}x{k}x{n}|{_order(a)}{_order(b)}"
+    return f"{str(a.dtype).removeprefix('torch.')}|{gemm}|{m}x{k}x{n}|{_order(a)}{_order(b)}"
 
 
 def _clock(device: torch.device):
@@ -236,10 +239,11 @@ def _decide(a: torch.Tensor, b: torch.Tensor, key: str) -> str:
     return best
 
 
-def _agree(a: torch.Tensor, b: torch.Tensor, key: str, grid: Grid) -> str:
-    """The layout for `key`, decided by rank 0 of `grid` and broadcast over it (one collective per key)."""
+def _agree(a: torch.Tensor, b: torch.Tensor, key: str, problem: str, grid: Grid) -> str:
+    """The layout for `key`, decided by rank 0 of `grid` and broadcast over it with a checksum of `problem` (one
+    collective per key)."""
     names = tuple(LAYOUTS)
-    checksum = zlib.crc32(key.encode())
+    checksum = zlib.crc32(problem.encode())
     msg = torch.tensor([names.index(_decide(a, b, key)) if grid.coord(AXES) == 0 else -1, checksum],
                        dtype=torch.int64, device=a.device)
     was, comm.LEDGER.enabled = comm.LEDGER.enabled, False  # setup, not a step's traffic (module docstring)
@@ -249,7 +253,7 @@ def _agree(a: torch.Tensor, b: torch.Tensor, key: str, grid: Grid) -> str:
         comm.LEDGER.enabled = was
     choice, theirs = (int(v) for v in msg.tolist())
     if theirs != checksum:
-        raise RuntimeError(f"parallel.tune_matmul: rank {grid.rank} multiplies {key} while rank 0 of its grid "
+        raise RuntimeError(f"parallel.tune_matmul: rank {grid.rank} multiplies {problem} while rank 0 of its grid "
                            f"multiplies another shape: every rank must run the same shapes (an even batch split), "
                            f"or turn tuning off")
     _S.agreed[key] = names[choice]
@@ -267,6 +271,7 @@ def matmul(a: torch.Tensor, b: torch.Tensor, gemm: str, grid: Grid) -> torch.Ten
     """a @ b in the layout agreed for it (a contiguous result either way): the local GEMM of a sharded Linear."""
     if not active(a.device):
         return a @ b
-    key = _key(a, b, gemm)
-    name = _S.agreed.get(key) or _agree(a, b, key, grid)
+    problem = _problem(a, b, gemm)
+    key = f"{_device_name(a.device)}|{problem}"
+    name = _S.agreed.get(key) or _agree(a, b, key, problem, grid)
     return LAYOUTS[name](a, b)

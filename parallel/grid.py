@@ -156,15 +156,15 @@ def default_backend() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
+_SLURM_HOSTS = re.compile(r"(?:[^\[\],]+|\[[^\[\]]+\])+")  # text and [ranges], up to a comma outside brackets
+
+
 def first_slurm_host(nodelist: str) -> str:
-    """First host of a SLURM node list such as 'gpu[003-006,9],login1' -> 'gpu003'."""
-    m = re.match(r"([^\[,]+)(\[([^\]]+)\])?", nodelist)
-    if not m:
+    """First host of a SLURM node list: 'gpu[003-006,9],login1' -> 'gpu003', 'node[01-02]-ib' -> 'node01-ib'."""
+    m = _SLURM_HOSTS.match(nodelist)
+    if not m or nodelist[m.end():m.end() + 1] not in ("", ","):
         raise ValueError(f"cannot parse SLURM_JOB_NODELIST={nodelist!r}: set MASTER_ADDR explicitly")
-    prefix, _, ranges = m.groups()
-    if not ranges:
-        return prefix
-    return prefix + ranges.split(",")[0].split("-")[0]
+    return re.sub(r"\[([^\]]+)\]", lambda r: re.split("[,-]", r.group(1))[0], m.group())
 
 
 def _launch_env() -> tuple[int, int] | None:
@@ -173,7 +173,8 @@ def _launch_env() -> tuple[int, int] | None:
         return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if "SLURM_PROCID" in os.environ and int(os.environ.get("SLURM_NTASKS", "1")) > 1:
         rank, world = int(os.environ["SLURM_PROCID"]), int(os.environ["SLURM_NTASKS"])
-        os.environ.setdefault("MASTER_ADDR", first_slurm_host(os.environ.get("SLURM_JOB_NODELIST", "")))
+        if "MASTER_ADDR" not in os.environ:  # not setdefault: it would parse the list even when the address is set
+            os.environ["MASTER_ADDR"] = first_slurm_host(os.environ.get("SLURM_JOB_NODELIST", ""))
         os.environ.setdefault("MASTER_PORT", str(29500 + int(os.environ.get("SLURM_JOB_ID", "0")) % 1000))
         os.environ.setdefault("LOCAL_RANK", os.environ.get("SLURM_LOCALID", "0"))
         os.environ["RANK"], os.environ["WORLD_SIZE"] = str(rank), str(world)

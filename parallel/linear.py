@@ -43,7 +43,7 @@ from torch import nn
 
 from . import comm, gemm_tuning, overlap
 from .grid import Grid, current
-from .sharding import BlockLayout, tag
+from .sharding import BlockLayout, check_sizes, tag
 
 MODES = ("easy", "sharded")
 
@@ -204,7 +204,9 @@ class MatmulFn(torch.autograd.Function):
                     dx = comm.reduce_scatter(dx, grid, b_axis)
             else:
                 work = comm.all_reduce(dx, grid, b_axis, async_op=oar)
-        gw = layer.weight_grad(gemm_tuning.matmul(dy.t(), x, "wgrad", grid))
+        gw = None
+        if ctx.needs_input_grad[1]:  # a frozen weight: no GEMM, no reduce-scatter, and no .grad deferred under ORS
+            gw = layer.weight_grad(gemm_tuning.matmul(dy.t(), x, "wgrad", grid))
         if work is not None:
             work.wait()
         return dx, gw, None
@@ -262,6 +264,7 @@ class Linear(ShardedWeight):
                  mode: str = "easy", grid: Grid | None = None, init_std: float = 0.02, seed: int = 0,
                  name: str = "linear", device=None, dtype=None):
         super().__init__()
+        check_sizes(name, in_features=in_features, out_features=out_features)
         in_axis, out_axis = ("y", "x") if transpose else ("x", "y")
         self.in_features, self.out_features, self.transpose = in_features, out_features, transpose
         layout = BlockLayout(out_features, in_features, row_axis=out_axis, col_axis=in_axis)
@@ -308,6 +311,12 @@ class Linear(ShardedWeight):
 
     @torch.no_grad()
     def load_full(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        if bias is not None and self.bias is None:
+            raise ValueError(f"{self.name}: load_full got a bias for a layer built with bias=False: pass bias=None, "
+                             f"or build it with bias=True")
+        if bias is not None and tuple(bias.shape) != (self.out_features,):
+            raise ValueError(f"{self.name}: load_full got a bias of shape {tuple(bias.shape)}: the full bias has "
+                             f"shape ({self.out_features},), one value per out-feature")
         self.load_full_weight(weight)
         if bias is not None:
             nb = self.bias.numel()

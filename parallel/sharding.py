@@ -40,6 +40,13 @@ def tag(param: torch.nn.Parameter, shard_axes=(), reduce_axes=AXES) -> torch.nn.
     return param
 
 
+def check_sizes(what: str, **sizes: int) -> None:
+    """A one-line error for a size below 1, before a layer builds an empty weight or divides by it."""
+    for name, n in sizes.items():
+        if n < 1:
+            raise ValueError(f"{what}: {name}={n} is invalid: use a size of at least 1")
+
+
 def spec_of(param: torch.Tensor) -> ShardSpec:
     return getattr(param, "_mt_spec", REPLICATED)
 

@@ -96,12 +96,14 @@ class OffloadAdamW(torch.optim.Optimizer):
 
     @torch.no_grad()
     def _stage(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Copy each (parameter, its summed gradient on the device) to the host, asynchronously on a GPU."""
+        """Copy each (parameter, its summed gradient on the device) to the host, asynchronously on a GPU. The
+        buffer takes the parameter's shape, whatever view of the gradient arrives: AdamW updates it against the
+        master, and the bf16 cast back copies the master into it."""
         event = None
         for p, g in pairs:
             buf = self.staged.get(p)
             if buf is None or buf.dtype != g.dtype:
-                buf = self.staged[p] = torch.empty(g.shape, dtype=g.dtype, pin_memory=self.pin)
+                buf = self.staged[p] = torch.empty(p.shape, dtype=g.dtype, pin_memory=self.pin)
             buf.copy_(g.view_as(buf), non_blocking=True)
             self.transfer_bytes += buf.numel() * buf.element_size()
             self._pending.append(p)
@@ -174,7 +176,7 @@ class OffloadAdamW(torch.optim.Optimizer):
                 p = sync.params[i]
                 n = p.numel()
                 if p in self.masters:
-                    pairs.append((p, b.buf[offset:offset + n]))
+                    pairs.append((p, b.buf[offset:offset + n].view_as(p)))
                 offset += n
             self._stage(pairs)
             if update:

@@ -2,6 +2,7 @@
 
 import math
 import os
+import time
 
 import pytest
 import torch
@@ -46,3 +47,16 @@ def test_ranks_compile_after_the_parent_compiled(monkeypatch, tmp_path):
     assert float(torch.compile(lambda x: x.sin() + 1)(torch.zeros(3)).sum()) == 3.0
     results = run_ranks(2, _compile_a_new_kernel, timeout=60)
     assert results == pytest.approx([6 * math.cos(1), 9 * math.cos(1)], rel=1e-6)
+
+
+def _exit_without_reporting(rank, world_size):
+    os._exit(3)
+
+
+def test_a_rank_that_dies_without_reporting_fails_the_run_at_once():
+    """A rank killed by the OOM killer (or os._exit, a segfault) sends nothing: the parent waited out the whole
+    `timeout` (600 s by default) and then blamed a hang. Now it sees the exit code within parallel.forked.POLL_S."""
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"\nrank 0 exited with code 3 without reporting$"):
+        run_ranks(1, _exit_without_reporting, timeout=20)
+    assert time.monotonic() - t0 < 5

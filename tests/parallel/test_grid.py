@@ -127,6 +127,31 @@ def test_slurm_nodelist_first_host():
     assert first_slurm_host("a1,b2") == "a1"
 
 
+@pytest.mark.parametrize("nodelist, host", [
+    ("node[01-02]-ib", "node01-ib"), ("node[001-004]-ib,gpu7", "node001-ib"), ("a[1-3,5],b2", "a1"),
+    ("rack[1-2]-n[01-04]", "rack1-n01"),
+])
+def test_slurm_nodelist_first_host_keeps_what_follows_the_brackets(nodelist, host):
+    """A suffix after the ranges (an InfiniBand interface's name) was dropped: 'node01' instead of 'node01-ib'."""
+    assert first_slurm_host(nodelist) == host
+
+
+def _launch_env_under_srun(nodelist: dict):
+    for var in LAUNCH_VARS:
+        os.environ.pop(var, None)
+    os.environ.update(SLURM_PROCID="1", SLURM_NTASKS="2", MASTER_ADDR="10.0.0.1", **nodelist)
+    return grid_mod._launch_env(), os.environ["MASTER_ADDR"]
+
+
+@pytest.mark.parametrize("nodelist", [{}, {"SLURM_JOB_NODELIST": "gpu["}], ids=["unset", "unparsable"])
+def test_srun_with_master_addr_set_never_parses_the_node_list(nodelist):
+    """os.environ.setdefault evaluated first_slurm_host before seeing MASTER_ADDR, so a node list it cannot parse
+    (or none) failed a launch that had named its address. In a forked child: _launch_env writes the environment."""
+    assert _fork(_launch_env_under_srun, nodelist, timeout=30) == ((1, 2), "10.0.0.1")
+    with pytest.raises(ValueError, match=r"SLURM_JOB_NODELIST='gpu\[': set MASTER_ADDR"):
+        first_slurm_host("gpu[")
+
+
 def _stuck_peer(rank, init_file, q):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2,
                             timeout=datetime.timedelta(seconds=3))
@@ -176,6 +201,26 @@ def test_linear_not_divisible_names_the_value(no_pg, kwargs, grid, parts):
             parallel.Linear(**kwargs, mode=mode, grid=parallel.Grid(*grid, rank=0), name="fc")
         for part in parts + ("fc",):
             assert part in str(e.value), (part, str(e.value))
+
+
+ONE, X4 = parallel.Grid(1, 1, 1, 1), parallel.Grid(1, 4, 1, 1)
+
+
+@pytest.mark.parametrize("build, message", [
+    (lambda: parallel.Linear(0, 8, grid=ONE, name="fc"), r"^fc: in_features=0 is invalid: use a size of at least 1$"),
+    (lambda: parallel.Linear(8, -4, grid=ONE, name="fc"), r"^fc: out_features=-4 is invalid"),
+    (lambda: parallel.ColumnEmbedding(16, 10, X4),
+     r"^ColumnEmbedding: hidden size 10 is not divisible by parallel.x=4: choose a degree that divides 10$"),
+    (lambda: parallel.Linear(4, 4, bias=False, grid=ONE, name="fc").load_full(torch.zeros(4, 4), torch.zeros(4)),
+     r"^fc: load_full got a bias for a layer built with bias=False: pass bias=None, or build it with bias=True$"),
+    (lambda: parallel.Linear(4, 4, grid=ONE, name="fc").load_full(torch.zeros(4, 4), torch.zeros(3)),
+     r"^fc: load_full got a bias of shape \(3,\): the full bias has shape \(4,\)"),
+], ids=["no-in-features", "negative-out-features", "column-embedding-over-x", "bias-without-one", "bias-shape"])
+def test_bad_layer_arguments_fail_in_one_line(no_pg, build, message):
+    """Each once failed deep inside (ZeroDivisionError in the seeded initialization, AttributeError on a missing
+    bias, a broadcast error) or, for ColumnEmbedding, built a [16, 2] slice of a hidden size x=4 does not split."""
+    with pytest.raises(ValueError, match=message):
+        build()
 
 
 # ---------------------------------------------------------------- 4096 ranks on a fake process group

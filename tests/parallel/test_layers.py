@@ -152,3 +152,63 @@ def test_embedding_matches_torch(results, degrees, mode):
 def test_lm_head_loss_matches_torch(results, degrees, mode, tied):
     errors = results[("lm_head", degrees, mode, tied)]
     assert max(errors.values()) < TOL, errors
+
+
+# ---------------------------------------------------------------- frozen weights and padding rows (2 ranks)
+
+
+def _frozen_worker(rank, world):
+    """Per ORS setting: (frozen weight's .grad, reduce-scatters recorded, input gradient equal to a trainable
+    layer's), on z=2 where the weight gradient is reduce-scattered (deferred into .grad under ORS)."""
+    grid = parallel.Grid(1, 1, 1, 2, rank=rank)
+    grid.build_groups()
+    out = {}
+    for ors in (False, True):
+        grads = []
+        for frozen in (False, True):
+            lin = parallel.Linear(8, 8, bias=False, mode="sharded", grid=grid, seed=1, name="fc")
+            lin.weight.requires_grad_(not frozen)
+            x = torch.randn(4, 8, generator=_gen(rank)).requires_grad_()
+            parallel.LEDGER.reset()
+            with parallel.overlap(lin, all_reduce=False, reduce_scatter=ors, all_gather=False):
+                lin(x).square().sum().backward()
+            grads.append(x.grad)
+        scatters = sum(r.op == "reduce_scatter" for r in parallel.LEDGER.records)
+        out[ors] = (lin.weight.grad, scatters, torch.equal(*grads))
+    grid.release_groups()
+    return out
+
+
+def test_a_frozen_weight_gets_no_gradient_and_costs_no_weight_gradient():
+    """A weight with requires_grad=False: its gradient GEMM and reduce-scatter were run anyway, and under
+    overlap(reduce_scatter=True) the deferred result was set as its .grad, so an optimizer updated a frozen layer."""
+    for res in run_ranks(2, _frozen_worker, timeout=60):
+        for ors, (grad, scatters, input_grad_equal) in res.items():
+            assert grad is None and scatters == 0 and input_grad_equal, (ors, grad, scatters)
+
+
+def _padding_worker(rank, world):
+    """Per mode: the full table gradient with padding_idx=-1 and with padding_idx=VOCAB-1, the same row."""
+    grid = parallel.Grid(1, 1, 2, 1, rank=rank)
+    grid.build_groups()
+    ids = torch.tensor([[1, VOCAB - 1, VOCAB - 1, 3]])
+    out = {}
+    for mode in MODES:
+        grads = []
+        for padding_idx in (-1, VOCAB - 1):
+            emb = parallel.Embedding(VOCAB, HID, padding_idx=padding_idx, mode=mode, grid=grid, seed=4, name="emb")
+            emb(ids).sum().backward()
+            grads.append(emb.layout.gather_full(emb.weight.grad, grid))
+        out[mode] = grads
+    grid.release_groups()
+    return out
+
+
+def test_a_negative_padding_idx_counts_from_the_end_on_a_sharded_grid():
+    """torch (and one rank's F.embedding) read padding_idx=-1 as the last row; the sharded lookup compared token ids
+    with -1 itself, so the last row kept learning from the lookup on a vocabulary split over Y."""
+    for res in run_ranks(2, _padding_worker, timeout=60):
+        for mode, (negative, positive) in res.items():
+            assert not negative[VOCAB - 1].any() and torch.equal(negative, positive), mode
+    with pytest.raises(ValueError, match=r"emb: padding_idx=128 is outside a table of 128 rows: use -128\.\.127"):
+        parallel.Embedding(VOCAB, HID, padding_idx=VOCAB, grid=parallel.Grid(1, 1, 1, 1), name="emb")
