@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import time
 from pathlib import Path
 
@@ -61,9 +62,9 @@ def main(argv: list[str] | None = None) -> int | None:
     ap.add_argument("--grid", help="--validate: DATA,X,Y,Z, one of them -1 to infer (--grid=-1,4,8,16); "
                                    "default the best plan's grid")
     ap.add_argument("--rank", type=int, default=0, help="--validate: the rank simulated (default 0)")
-    ap.add_argument("--grad-sync", choices=GRAD_SYNCS,
-                    help="--validate: the trainer's gradient sync (default the trainer's, parallel.grad_sync, when "
-                         "the planner models it, else blocking)")
+    ap.add_argument("--grad-sync", choices=GRAD_SYNCS, default=PlanConfig.grad_sync,
+                    help="the trainer's gradient sync, parallel.grad_sync (default %(default)s: bucket buffers kept "
+                         "on the device, all-reduce hidden behind backward)")
     ap.add_argument("--steps", type=at_most(positive_int, 1000), default=1,
                     help="--validate: steps to run; the last is measured (default 1)")
     ap.add_argument("--top", type=positive_int, default=10, help="rows to print (default 10)")
@@ -84,15 +85,14 @@ def main(argv: list[str] | None = None) -> int | None:
     net = load_network(args.machine, args.bandwidth, args.gpus_per_node, args.gpu_memory_gb)
     cfg = PlanConfig(args.model, args.gpus, args.batch, args.seq, args.micro_batch, args.mode, args.precision,
                      activation_checkpointing=args.activation_checkpointing, offload=args.offload,
-                     host_gbps=args.host_gbps)
+                     host_gbps=args.host_gbps, grad_sync=args.grad_sync)
     if args.validate:
         if args.offload:
             raise ValueError("--offload applies to planning only (the dry run checks the on-device optimizer): "
                              "drop --offload or --validate")
         return validate(args, cfg, net, start)
-    for flag in ("grid", "grad_sync"):
-        if getattr(args, flag) is not None:
-            raise ValueError(f"--{flag.replace('_', '-')} applies to --validate only: add --validate")
+    if args.grid is not None:
+        raise ValueError("--grid applies to --validate only: add --validate")
     plans, summary = plan(cfg, net)
     extras = (", activation checkpointing" if cfg.activation_checkpointing else "") + (
         f", optimizer offload ({cfg.host_gbps:g} GB/s to the host)" if cfg.offload else "")
@@ -112,16 +112,22 @@ def main(argv: list[str] | None = None) -> int | None:
 
 
 def host_gbps(text: str) -> float:
-    """--host-gbps: a finite number >= 0 (0: CPU ranks, no device<->host link)."""
-    if text.strip() == "0":
+    """--host-gbps: a finite number >= 0 (0: CPU ranks, no device<->host link), any spelling of 0 included."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if value == 0:
         return 0.0
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"{value} is invalid: use a finite number >= 0 (0: CPU ranks)")
     return positive_float(text, 1e6)
 
 
 def fewest_text(cfg: PlanConfig, net, batch: int | None) -> str:
     """The fewest GPUs (powers of two) that hold the model without and with optimizer offload."""
-    n = {o: fewest_gpus(dataclasses.replace(cfg, offload=o), net, batch) for o in (False, True)}
-    say = {o: f"{n[o]} GPU{'s' * (n[o] != 1)}" if n[o] else "more than 65,536 GPUs" for o in n}
+    found = {o: fewest_gpus(dataclasses.replace(cfg, offload=o), net, batch) for o in (False, True)}
+    say = {o: f"{n} GPU{'s' * (n != 1)}" if n else why for o, (n, why) in found.items()}
     return (f"fewest GPUs that hold {cfg.model} (powers of two, micro-batch {cfg.micro_batch or 1}, "
             f"{f'batch {batch}' if batch else 'one sequence per GPU'}, {net.gpu_memory_gb:g} GB each): "
             f"{say[False]} without optimizer offload, {say[True]} with")
@@ -167,7 +173,7 @@ def validate(args, cfg: PlanConfig, net, start: float) -> int:
         cfg.micro_batch = cfg.micro_batch or plans[0].micro_batch  # choose_micro would search again for it
         print(f"validating the best plan's grid: data={grid[0]} x={grid[1]} y={grid[2]} z={grid[3]}")
     cfg.micro_batch = dryrun.choose_micro(cfg, grid, net)
-    run = dryrun.dry_run(cfg, grid, rank=args.rank, grad_sync=args.grad_sync, steps=args.steps)
+    run = dryrun.dry_run(cfg, grid, rank=args.rank, steps=args.steps)
     print(dryrun.header(run))
     print(dryrun.table(run))
     if args.json:

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 import parallel
-from memtrain.plan.network import ASYNC_OPS, CHAINED_OPS, GB, OPS, SERIES, SERIES_OPS
+from memtrain.plan.network import ASYNC_OPS, CHAINED_OPS, GB, OPS, SERIES, SERIES_OPS, inside_node
 from parallel import Grid, comm
 from parallel.comm import Record
 
@@ -87,7 +87,9 @@ def measure_collectives(rank: int, world: int, gpus_per_node: int, sizes_mb=(0.2
     grids = probe_grids(rank, world) if own else grids
     try:
         for p, grid in grids.items():
-            place = "intra" if p <= gpus_per_node else "inter"
+            # network.inside_node's rule, by which the planner looks the curve up: groups of p consecutive ranks
+            # straddle nodes when p does not divide gpus_per_node, even when p <= gpus_per_node
+            place = "intra" if inside_node(grid, ("x",), gpus_per_node) else "inter"
             large = {max(p, int(mb * 2**20) // 4 // p * p) for mb in sizes_mb}  # fp32 values, divisible by p
             counts = sorted(large | {max(p, b // 4 // p * p) for b in SMALL_MESSAGES})
             samples = {(op, n): [] for op in OPS for n in counts}

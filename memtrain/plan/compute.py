@@ -24,7 +24,8 @@ Besides matmuls (the non-matmul term, at the rates `memtrain plan --measure` pro
   attention's output, easy mode's re-layouts), and the loss's softmax over this rank's vocabulary rows;
 - AdamW with the gradient clipping before it: per element and per tensor of this rank's shards
   (cost.parameters: sharding over Z halves its elements). It runs after the last collective, so no communication
-  hides behind it; with optimizer offload it runs on the host, and is not counted;
+  hides behind it; with optimizer offload it runs on the host, and is not counted (search.py passes offload
+  only where the host is not the rank itself: CPU ranks run it in their step);
 - attention: where its kernel was measured, the larger of its products at the matmul rate and the measured
   seconds per score (at tiny head sizes a CPU spends them on the softmax, not the products).
 Why these terms: on a CPU rank of a tiny model a step is mostly not matmuls, and timing one phase at a time
@@ -149,10 +150,7 @@ def attention(shape: Shape, grid: Grid, mode: str, micro: int, seq: int) -> tupl
 
 def model_flops(shape: Shape, batch: int, seq: int) -> float:
     """The unsharded model's training FLOPs per step: 6 x matmul parameters x tokens + attention (forward x 3)."""
-    params = shape.layers * sum(m.rows * m.cols for m in shape.block if isinstance(m, Matrix))
-    params += shape.vocab * shape.hidden
-    tokens = batch * seq
-    return 6.0 * params * tokens + 12.0 * shape.layers * shape.heads * shape.head_dim * seq * tokens
+    return shape.flops_per_token(seq) * batch * seq
 
 
 def _relayouts(grid: Grid, m: Matrix, mode: str) -> tuple[int, int]:
@@ -217,7 +215,8 @@ def micro_elements(shape: Shape, grid: Grid, mode: str, micro: int, seq: int) ->
 def step_compute(shape: Shape, grid: Grid, mode: str, batch: int, seq: int, micro: int | None, net: Network,
                  precision: str = "fp32", checkpointing: bool = False, offload: bool = False) -> Compute:
     """FLOPs and seconds of one optimizer step on this rank: matmuls at `net`'s rates and the non-matmul term (module
-    docstring; zero where `net` has no rates for it). offload: AdamW runs on the host, not counted."""
+    docstring; zero where `net` has no rates for it). offload: AdamW runs on a host apart from the rank, not
+    counted."""
     local = batch // cost.rows_split(grid, mode)
     micro = micro or local
     n_micro = local // micro

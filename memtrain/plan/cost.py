@@ -103,7 +103,9 @@ class Log:
             self.records[Record(op, self.grid.label(axes), p, int(nbytes))] += times
 
 
-def linear(log: Log, m: Matrix, mode: str, t: int, pb: int, cb: int, fwd: int, bwd: int) -> None:
+def linear(log: Log, m: Matrix, mode: str, t: int, pb: int, cb: int, fwd: int, bwd: int,
+           out_fwd: int | None = None) -> None:
+    """out_fwd: forward count of easy mode's output re-layout when it differs from `fwd` (`step_records`)."""
     A, B = feature_axes(m, mode)
     a, b = log.grid.size(A), log.grid.size(B)
     block = m.rows // b * (m.cols // a)
@@ -121,7 +123,7 @@ def linear(log: Log, m: Matrix, mode: str, t: int, pb: int, cb: int, fwd: int, b
     log.add("all_gather", B, plane * m.cols // a * ib, fwd)
     log.add("all_gather", "z", gathered, fwd + bwd)
     log.add("reduce_scatter", A, plane * m.rows // b * cb, fwd)
-    log.add("all_to_all", B, t * m.rows * cb, fwd + bwd)  # rows -> features, and back in backward
+    log.add("all_to_all", B, t * m.rows * cb, (fwd if out_fwd is None else out_fwd) + bwd)  # rows -> features
     log.add("all_gather", A, plane * m.rows // b * cb, bwd)
     log.add("reduce_scatter", B, plane * m.cols // a * cb, bwd)
     log.add("reduce_scatter", "z", block * pb, bwd)
@@ -255,7 +257,7 @@ def step_records(shape: Shape, grid: Grid, mode: str, batch: int, seq: int, micr
 
     micro: sequences per rank per forward/backward (None: all of the rank's rows, the trainer's default).
     checkpointing: each block's forward runs again in backward (HF-style per-block recomputation), so its
-        forward collectives count twice (train.activation_checkpointing).
+        forward collectives count twice (train.activation_checkpointing), up to its last saved tensor: see below.
     sync: how the gradients are synced, `gradient_buckets`' keywords (default: the trainer's overlapped sync on
         any step but a run's first).
     """
@@ -267,10 +269,17 @@ def step_records(shape: Shape, grid: Grid, mode: str, batch: int, seq: int, micr
     vocab = vocab_rows(shape, grid)
     log = Log(grid)
     L, redo = shape.layers, 2 if checkpointing else 1
+    # Non-reentrant recomputation stops as soon as the block's last saved tensor is rebuilt (torch.utils.checkpoint's
+    # early stop), so what a block's forward issues after that never runs again. The last tensor saved is the last
+    # Linear's (MatmulFn saves when it returns; the bias and residual adds after it save none, nor does dropout at
+    # p = 0, memtrain's models'): easy mode's output re-layout of that Linear runs once per forward.
+    matrices = {m.name for m in shape.block if isinstance(m, Matrix)}
+    last = [name for name in _BLOCK_ORDER[shape.family][1] if name in matrices][-1]
     embedding(log, shape, vocab, mode, t, pb, n_micro, n_micro)
     for part in shape.block:
         if isinstance(part, Matrix):
-            linear(log, part, mode, t, pb, cb, n_micro * L * redo, n_micro * L)
+            linear(log, part, mode, t, pb, cb, n_micro * L * redo, n_micro * L,
+                   n_micro * L if part.name == last else None)
         else:
             norm(log, part, mode, t, n_micro * L * redo, n_micro * L)
     norm(log, shape.final_norm, mode, t, n_micro, n_micro)
@@ -320,13 +329,21 @@ def gradient_records(shape: Shape, grid: Grid, mode: str, param_bytes: int = 4, 
 # Memory per rank.
 
 
-def state_bytes(shape: Shape, grid: Grid, mode: str, param_bytes: int = 4, offload: bool = False) -> dict[str, int]:
+def state_bytes(shape: Shape, grid: Grid, mode: str, param_bytes: int = 4, offload: bool = False,
+                grad_sync: str = "overlap") -> dict[str, int]:
     """Device bytes of parameters, gradients (same dtype) and torch AdamW state: exp_avg and exp_avg_sq in the
     parameter dtype plus one fp32 `step` scalar per parameter tensor. With optimizer offload
-    (memtrain/training/offload.py) the optimizer holds nothing on the device (see `host_bytes`)."""
+    (memtrain/training/offload.py) the optimizer holds nothing on the device (see `host_bytes`).
+    grad_buckets: the overlapped sync (grad_sync "overlap", the trainer's default) keeps a flat buffer per bucket,
+    in the parameter dtype, from one step to the next: every gradient it syncs (those with a live reduce axis, data = 1
+    too: the norms over z > 1, easy mode's over any axis) once more. The blocking sync's are temporaries."""
     params = parameters(shape, grid, mode)
     n = sum(p.numel for p in params) * param_bytes
-    return {"params": n, "grads": n, "optimizer": 0 if offload else 2 * n + FP32 * len(params)}
+    if grad_sync not in GRAD_SYNCS:
+        raise ValueError(f"grad_sync={grad_sync!r} is invalid: use one of {', '.join(map(repr, GRAD_SYNCS))}")
+    synced = sum(p.numel for p in params if any(grid.size(a) > 1 for a in p.reduce_axes)) * param_bytes  # the buckets'
+    return {"params": n, "grads": n, "optimizer": 0 if offload else 2 * n + FP32 * len(params),
+            "grad_buckets": synced if grad_sync == "overlap" else 0}
 
 
 def host_bytes(shape: Shape, grid: Grid, mode: str, param_bytes: int = 4) -> dict[str, int]:

@@ -27,7 +27,7 @@ Reported, each beside the planner's figure:
   its totals per (op, axes): exact, so any difference fails. The gradient all-reduces are among them, one
   record per bucket (cost.gradient_buckets: as many messages, each of the same bytes, as GradSync cuts);
 - per-rank parameter, gradient and AdamW bytes from the local shards and the optimizer's state after the
-  step (cost.state_bytes): exact;
+  step, and the flat buffers of the buckets the overlapped gradient sync launched in it (cost.state_bytes): exact;
 - activation bytes of one micro-batch, from saved-tensor hooks installed around the step's first micro-batch:
   the distinct tensors autograd keeps for backward (parameters and buffers excluded). With activation
   checkpointing, what is kept at the peak of backward: everything saved outside the blocks, every block's
@@ -54,7 +54,7 @@ from memtrain.plan.network import Network
 from memtrain.plan.search import PlanConfig, load_config, plan, resolve_mode
 from parallel.comm import Record, totals
 
-MEMORY_KEYS = ("params", "grads", "optimizer")
+MEMORY_KEYS = ("params", "grads", "optimizer", "grad_buckets")
 
 
 @dataclass
@@ -135,9 +135,9 @@ class DryRun:
 
 
 DEFAULT_GRAD_SYNC = ParallelConfig.grad_sync
-"""The gradient sync the dry run runs unless told: the trainer's default (parallel.grad_sync), whose buckets
-cost.gradient_buckets cuts as parallel.GradSync does; "blocking" (one flat all-reduce per set of reduce axes) is
-modelled too."""
+"""The gradient sync the dry run runs unless told (PlanConfig.grad_sync's default): the trainer's default
+(parallel.grad_sync), whose buckets cost.gradient_buckets cuts as parallel.GradSync does; "blocking" (one flat
+all-reduce per set of reduce axes) is modelled too."""
 
 
 def _checked(cfg: PlanConfig, grid: tuple[int, ...]):
@@ -167,7 +167,7 @@ def choose_micro(cfg: PlanConfig, grid: tuple[int, ...], net: Network | None) ->
 def dry_run(cfg: PlanConfig, grid: tuple[int, int, int, int], *, rank: int = 0, overlap: bool = True,
             grad_sync: str | None = None, steps: int = 1) -> DryRun:
     """One optimizer step of `cfg` on `grid` (data, x, y, z) as rank `rank` of a fake world; see the module
-    docstring. cfg.micro_batch must be set (choose_micro); grad_sync None is DEFAULT_GRAD_SYNC. `steps` > 1
+    docstring. cfg.micro_batch must be set (choose_micro); grad_sync None is cfg.grad_sync. `steps` > 1
     runs that many steps and measures the last: the overlapped sync cuts its buckets in reverse registration
     order on the first step, then in the order the first backward made the gradients final (predicted as such)."""
     import torch.distributed as dist
@@ -190,7 +190,7 @@ def dry_run(cfg: PlanConfig, grid: tuple[int, int, int, int], *, rank: int = 0, 
     t0 = time.perf_counter()
     _, mode, shape = _checked(cfg, grid)
     amp = torch.bfloat16 if cfg.precision == "bf16" else None
-    step_kw = {"overlap": overlap, "grad_sync": grad_sync or DEFAULT_GRAD_SYNC}
+    step_kw = {"overlap": overlap, "grad_sync": grad_sync or cfg.grad_sync}
 
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     try:
@@ -211,11 +211,16 @@ def dry_run(cfg: PlanConfig, grid: tuple[int, int, int, int], *, rank: int = 0, 
             ids = torch.zeros(cfg.batch, cfg.seq, dtype=torch.long)
             keep = torch.ones(cfg.batch, cfg.seq, dtype=torch.bool)
             saved = SavedTensors(plm)
+            # The model's GradSync, built now rather than in the first step (train_step's call returns this one):
+            # its buckets are read before the measured step, as the first step re-cuts them when it ends and only
+            # the next step allocates the new ones' buffers (of the same bytes) and keeps them.
+            sync = parallel.grad_sync(plm, g) if step_kw["grad_sync"] == "overlap" else None
             t = time.perf_counter()
             for i in range(steps):
                 parallel.LEDGER.reset()
                 last = i == steps - 1
                 if last:
+                    buckets = list(sync.buckets) if sync is not None else []
                     saved.install()
                 try:
                     with saved.hooks() if last else contextlib.nullcontext():
@@ -229,7 +234,7 @@ def dry_run(cfg: PlanConfig, grid: tuple[int, int, int, int], *, rank: int = 0, 
             params = parallel.unique_parameters(plm)
             state = [x for st in opt.state.values() for x in st.values() if torch.is_tensor(x)]
             got = {"params": nbytes(params), "grads": nbytes(p.grad for p in params if p.grad is not None),
-                   "optimizer": nbytes(state)}
+                   "optimizer": nbytes(state), "grad_buckets": nbytes(b.buf for b in buckets if b.buf is not None)}
             t = time.perf_counter()
             act = saved.summary(cfg.activation_checkpointing, amp)
             seconds["activations"] = time.perf_counter() - t
@@ -241,7 +246,7 @@ def dry_run(cfg: PlanConfig, grid: tuple[int, int, int, int], *, rank: int = 0, 
     predicted = cost.step_records(shape, g, mode, cfg.batch, cfg.seq, cfg.micro_batch,
                                   checkpointing=cfg.activation_checkpointing, **kw, **sync)
     buckets = cost.gradient_buckets(shape, g, mode, cfg.param_bytes, **sync)
-    want = cost.state_bytes(shape, g, mode, cfg.param_bytes)
+    want = cost.state_bytes(shape, g, mode, cfg.param_bytes, grad_sync=step_kw["grad_sync"])
     memory = [Check(k, want[k], got[k]) for k in MEMORY_KEYS]
     est = cost.activation_bytes(shape, g, mode, cfg.micro_batch * cfg.seq,
                                 checkpointing=cfg.activation_checkpointing, **kw)

@@ -1,13 +1,13 @@
 """Which (data, x, y, z) grid to train a model with on N GPUs, decided before launching.
 
-For every factorization of N the model's sizes and the batch allow (the architectures' divisibility rules),
-the planner estimates per-rank memory (parameters, gradients, AdamW state, activations) and drops grids that
-do not fit the device; then it predicts the time of one optimizer step and ranks grids by it: one rank's compute
-time (compute.py: the FLOPs of its shards at the machine's rate for their shapes, which fall as shards get thin,
-and what a step spends besides matmuls) plus the communication overlap cannot hide, from cost.py's exact records,
-each at the time measured for its op, group size and payload where its group sits, issued alone or queued
-behind others as the engine issues it (network.py). MFU is the unsharded model's FLOPs over the predicted
-step time and the GPUs' peak.
+For every factorization of N the model's sizes and the batch allow (the architectures' divisibility rules), the
+planner estimates per-rank memory (parameters, gradients, AdamW state, the gradient sync's bucket buffers,
+activations) and drops grids that do not fit the device; then it predicts the time of one optimizer step and ranks
+grids by it: one rank's compute time (compute.py: the FLOPs of its shards at the machine's rate for their shapes,
+which fall as shards get thin, and what a step spends besides matmuls) plus the communication overlap cannot hide,
+from cost.py's exact records, each at the time measured for its op, group size and payload where its group sits,
+issued alone or queued behind others as the engine issues it (network.py). MFU is the unsharded model's FLOPs over
+the predicted step time and the GPUs' peak.
 With `offload` (train.optimizer_offload) the AdamW state leaves the device for the host, the step pays the
 device<->host copies, and `fewest_gpus` says how many GPUs the model needs with and without it.
 """
@@ -19,11 +19,11 @@ import os
 from collections import Counter
 from dataclasses import asdict, dataclass
 
-from memtrain.config import PARALLEL_MODES
+from memtrain.config import PARALLEL_MODES, ParallelConfig
 from memtrain.hf.architectures import architecture_of
 from memtrain.plan import compute, cost
 from memtrain.plan.network import GB, Network, inside_node
-from parallel import Grid
+from parallel import GRAD_SYNCS, Grid
 
 
 @dataclass
@@ -51,7 +51,11 @@ class PlanConfig:
     bf16 the device keeps bf16 weights and gradients (2 bytes each)."""
     host_gbps: float = 25.0
     """Device<->host bandwidth per GPU and direction with offload, GB/s (PCIe 4.0 x16: 32 peak, ~25 reached);
-    0: the ranks are CPUs, whose host memory is their device memory (no traffic)."""
+    0: the ranks are CPUs, whose host memory is their device memory (no traffic; the host's bytes and AdamW count
+    on the rank)."""
+    grad_sync: str = ParallelConfig.grad_sync
+    """The trainer's gradient sync (parallel.grad_sync): "overlap" (its default) keeps a flat buffer per bucket on
+    the device and hides the all-reduce behind the last backward; "blocking" runs it after backward."""
 
 
 @dataclass
@@ -75,7 +79,8 @@ class Plan:
     moved_bytes: float
     """Bytes one rank sends per step (ring model)."""
     memory: dict
-    """Bytes per rank: params, grads, optimizer, activations, total."""
+    """Bytes per rank: params, grads, optimizer, grad_buckets, activations, total (CPU ranks with offload: and
+    the host's, "offloaded")."""
     axes: dict
     """Per axes label: payload bytes, moved bytes, seconds, whether its groups stay inside a node."""
     host_memory: int = 0
@@ -134,15 +139,26 @@ def device_param_bytes(cfg: PlanConfig) -> int:
     return 2 if cfg.offload and cfg.precision == "bf16" else cfg.param_bytes
 
 
+def device_state(shape, grid: Grid, mode: str, cfg: PlanConfig) -> dict[str, int]:
+    """Per-rank device bytes besides activations (cost.state_bytes at cfg's options). With offload onto CPU ranks
+    (host_gbps 0) the host's bytes too ("offloaded"): their host memory is the device memory the limit bounds."""
+    pb = device_param_bytes(cfg)
+    state = cost.state_bytes(shape, grid, mode, pb, cfg.offload, cfg.grad_sync)
+    if cfg.offload and cfg.host_gbps == 0:
+        state["offloaded"] = sum(cost.host_bytes(shape, grid, mode, pb).values())
+    return state
+
+
 def evaluate(shape, grid: Grid, mode: str, cfg: PlanConfig, net: Network, micro: int) -> Plan:
     """Predicted time, bytes and memory of one grid at a given micro-batch. With offload the device<->host
     copies count in full at host_gbps (the gradients' copies overlap the all-reduce, the weights' the next
-    bucket's math; the host's AdamW time is not modelled)."""
+    bucket's math; the host's AdamW time is not modelled, but on CPU ranks, host_gbps 0, it is the rank's own).
+    The blocking gradient sync's all-reduces run after backward: nothing hides them."""
     pb = device_param_bytes(cfg)
     kw = dict(precision=cfg.precision, param_bytes=pb)
     records = cost.step_records(shape, grid, mode, cfg.batch, cfg.seq, micro,
-                                checkpointing=cfg.activation_checkpointing, **kw)
-    gradients = cost.gradient_records(shape, grid, mode, pb)
+                                checkpointing=cfg.activation_checkpointing, grad_sync=cfg.grad_sync, **kw)
+    gradients = cost.gradient_records(shape, grid, mode, pb) if cfg.grad_sync == "overlap" else Counter()
 
     def seconds(r, series: str) -> float:
         return net.seconds(r, inside_node(grid, r.axes.split("+"), net.gpus_per_node), series)
@@ -154,14 +170,14 @@ def evaluate(shape, grid: Grid, mode: str, cfg: PlanConfig, net: Network, micro:
         a["payload"] += n * r.nbytes
         a["moved"] += n * r.moved_bytes
         a["seconds"] += n * seconds(r, compute.series(r, gradients))
-    memory = cost.state_bytes(shape, grid, mode, pb, cfg.offload)
+    memory = device_state(shape, grid, mode, cfg)
     memory["activations"] = cost.activation_bytes(shape, grid, mode, micro * cfg.seq,
                                                   checkpointing=cfg.activation_checkpointing, **kw)
     memory["total"] = sum(memory.values())
     local = cfg.batch // cost.rows_split(grid, mode)
     comm = compute.comm_seconds(records, gradients, seconds)
     work = compute.step_compute(shape, grid, mode, cfg.batch, cfg.seq, micro, net, cfg.precision,
-                                cfg.activation_checkpointing, cfg.offload)
+                                cfg.activation_checkpointing, cfg.offload and cfg.host_gbps > 0)
     host, traffic = 0, 0
     step = compute.step_seconds(work.seconds, work.last_backward_seconds, comm, work.optimizer_seconds)
     if cfg.offload:
@@ -193,6 +209,8 @@ def plan(cfg: PlanConfig, net: Network) -> tuple[list[Plan], dict]:
     if cfg.host_gbps < 0 or not math.isfinite(cfg.host_gbps):
         raise ValueError(f"--host-gbps {cfg.host_gbps} is invalid: give the GB/s between a GPU and host memory "
                          "(0: the ranks are CPUs)")
+    if cfg.grad_sync not in GRAD_SYNCS:
+        raise ValueError(f"grad_sync {cfg.grad_sync!r} is invalid: use one of {', '.join(GRAD_SYNCS)}")
     plans, rejected, least = [], Counter(), None
     for d in factorizations(cfg.gpus):
         grid = Grid(*d)
@@ -202,7 +220,7 @@ def plan(cfg: PlanConfig, net: Network) -> tuple[list[Plan], dict]:
             continue
         local = cfg.batch // cost.rows_split(grid, mode)
         micros = [cfg.micro_batch] if cfg.micro_batch else divisors(local)[::-1]
-        state = sum(cost.state_bytes(shape, grid, mode, pb, cfg.offload).values())
+        state = sum(device_state(shape, grid, mode, cfg).values())
         for micro in micros:  # the largest micro-batch that fits: fewest weight gathers per step
             total = state + cost.activation_bytes(
                 shape, grid, mode, micro * cfg.seq, precision=cfg.precision, param_bytes=pb,
@@ -221,38 +239,62 @@ def plan(cfg: PlanConfig, net: Network) -> tuple[list[Plan], dict]:
     return plans, summary
 
 
-def fewest_gpus(cfg: PlanConfig, net: Network, batch: int | None, most: int = 2**16) -> int | None:
-    """The fewest GPUs, a power of two up to `most`, on which some grid runs cfg.model and fits the device
-    memory at micro-batch cfg.micro_batch (None: 1), with `batch` sequences (None: one per GPU); None if none."""
+def fewest_gpus(cfg: PlanConfig, net: Network, batch: int | None, most: int = 2**16) -> tuple[int | None, str]:
+    """(n, ""): the fewest GPUs n, a power of two up to `most`, on which some grid runs cfg.model and fits the
+    device memory at micro-batch cfg.micro_batch (None: 1), with `batch` sequences (None: one per GPU). Else
+    (None, why): more GPUs than `most` are needed, or past some count no grid runs the model at all (cost.check's
+    commonest reason at the count after the last that runs it: e.g. no larger power of two divides the batch)."""
     config = load_config(cfg.model)
     mode, shape = resolve_mode(config, cfg.mode), cost.shape_of(config)
     limit, pb, micro = net.gpu_memory_gb * GB, device_param_bytes(cfg), cfg.micro_batch or 1
-    n = 1
+    n, runs, stalled = 1, 0, ""  # the last count some grid runs at; why none runs at the count after it
     while n <= most:
+        reasons, grids = Counter(), 0
         for d in factorizations(n):
-            grid = Grid(*d)
-            if cost.check(shape, grid, mode, batch or n, micro):
+            grid, grids = Grid(*d), grids + 1
+            why = cost.check(shape, grid, mode, batch or n, micro)
+            if why:
+                reasons[why] += 1
                 continue
-            total = sum(cost.state_bytes(shape, grid, mode, pb, cfg.offload).values()) + cost.activation_bytes(
+            total = sum(device_state(shape, grid, mode, cfg).values()) + cost.activation_bytes(
                 shape, grid, mode, micro * cfg.seq, precision=cfg.precision, param_bytes=pb,
                 checkpointing=cfg.activation_checkpointing)
             if total <= limit:
-                return n
+                return n, ""
+        if sum(reasons.values()) < grids:
+            runs, stalled = n, ""
+        elif not stalled:
+            stalled = reasons.most_common(1)[0][0]
         n *= 2
-    return None
+    if not stalled:
+        return None, f"more than {most:,} GPUs"
+    if not runs:
+        return None, f"none ({stalled})"
+    return None, (f"none (too little memory on {runs:,} GPU{'s' * (runs != 1)}, and no larger power of two runs it: "
+                  f"{stalled})")
 
 
 def _no_plan(cfg: PlanConfig, mode: str, rejected: Counter, least) -> str:
     reasons = "; ".join(f"{why} ({n} grid{'s' if n > 1 else ''})" for why, n in rejected.most_common(4))
     hint = ""
     if least is not None:
-        hint = (f" (the smallest needs {least / GB:.1f} GB): use more GPUs, --activation-checkpointing, a "
+        hint = (f" (the smallest needs {size_text(least)}): use more GPUs, --activation-checkpointing, a "
                 "smaller --micro-batch or --seq")
     return f"no grid of {cfg.gpus} GPUs runs {cfg.model} in {mode} mode with batch {cfg.batch}: {reasons}{hint}"
 
 
 # ---------------------------------------------------------------------------------------------------
 # Output.
+
+
+def size_text(nbytes: float) -> str:
+    """Bytes in GB, MB or kB, the largest unit that keeps a whole one, to 3 significant digits: a limit of a
+    few MB reads as such, not as "0.0 GB"."""
+    for unit, scale in (("GB", GB), ("MB", 1e6), ("kB", 1e3)):
+        if nbytes >= scale:
+            v = nbytes / scale
+            return f"{v:.3g} {unit}" if v < 100 else f"{v:,.0f} {unit}"
+    return f"{nbytes:.0f} bytes"
 
 
 def table(plans: list[Plan], top: int) -> str:
@@ -266,7 +308,7 @@ def table(plans: list[Plan], top: int) -> str:
         worst = sorted(p.axes.items(), key=lambda kv: -kv[1]["seconds"])[:2]
         slow = ", ".join(f"{k}{'' if v['inside_node'] else '*'} {v['seconds']:.3g}s" for k, v in worst)
         m = p.memory
-        state = m["params"] + m["grads"] + m["optimizer"]
+        state = m["total"] - m["activations"]  # parameters, gradients, AdamW, bucket buffers (CPU ranks: the host's)
         lines.append(f"{i:>4} {p.data:>5} {p.x:>4} {p.y:>4} {p.z:>4} {f'{p.micro_batch}x{p.micro_batches}':>9} "
                      f"{p.step_seconds:>9.4g} {100 * p.mfu:>5.1f}% {p.compute_seconds:>9.4g} {p.comm_seconds:>9.4g} "
                      f"{p.moved_bytes / GB:>9.4g} {state / GB:>9.4g} "

@@ -18,6 +18,7 @@
 Each dry run starts and ends its own fake process group in this process.
 """
 
+import dataclasses
 import functools
 import json
 import math
@@ -29,6 +30,7 @@ import torch.distributed as dist
 import parallel
 from memtrain.cli import main
 from memtrain.config import ParallelConfig
+from memtrain.hf.architectures import Matrix
 from memtrain.plan import cost, dryrun
 from memtrain.plan.search import PlanConfig, load_config
 from parallel import Grid
@@ -213,3 +215,41 @@ def test_paper_405b_at_4096_ranks():
     assert run.grid == (8, 4, 8, 16) and run.batch == 128 and run.checkpointing and run.precision == "bf16"
     # 3.2 GB of weight gradients per rank: 1 MiB, then 25 MiB buckets; the norms' 4 MB: two
     assert {axes: len(b) for axes, b in run.gradients.items()} == {"data": 107, "z+data": 2}
+
+
+@pytest.mark.parametrize("mode, grid, steps, grad_sync", [
+    ("sharded", (2, 1, 1, 1), 1, None), ("sharded", (2, 1, 1, 1), 2, None), ("sharded", (1, 1, 1, 2), 1, None),
+    ("easy", (1, 1, 2, 1), 2, None), ("sharded", (2, 1, 1, 1), 1, "blocking"), ("sharded", (1, 2, 1, 1), 1, None),
+])
+def test_grad_sync_bucket_buffers_are_counted(mode, grid, steps, grad_sync):
+    """GradSync keeps one flat buffer per bucket on the device, every synced gradient again: the planner's
+    per-rank memory must count them and the dry run measure them, or --validate calls "equal" a total short by
+    the gradients. Synced means a live reduce axis, not data > 1: with data = 1, z = 2 syncs the norms and so
+    does easy mode on y = 2 (HF's untagged norms); sharded x = 2 syncs nothing. On a run's first step the
+    buffers are those the step allocated (GradSync re-cuts its buckets at its end; the next step keeps buffers
+    of the same bytes)."""
+    cfg = _cfg("ladder-1m", mode, grid)
+    run = dryrun.dry_run(cfg, grid, steps=steps, grad_sync=grad_sync)
+    _check(run)
+    (c,) = [c for c in run.memory if c.what == "grad_buckets"]
+    synced = sum(map(sum, run.gradients.values()))
+    assert c.planner == c.measured == (0 if grad_sync == "blocking" or grid == (1, 2, 1, 1) else synced)
+    if grad_sync is None and grid != (1, 2, 1, 1):
+        assert c.measured > 0
+
+
+@pytest.mark.parametrize("model, grid", [("pythia-14m", (1, 1, 2, 1)), ("ladder-1m", (1, 2, 2, 1)),
+                                         ("gpt2-tiny", (1, 1, 2, 1))])
+def test_easy_recomputation_stops_after_the_last_saved_tensor(model, grid):
+    """Non-reentrant checkpointing stops recomputing a block once its last saved tensor is rebuilt, so the block's
+    last Linear's output re-layout (an all_to_all over y, after its MatmulFn saved) runs in the forward only: the
+    planner counted it once more per layer and micro-batch, and --validate failed on every family."""
+    cfg = dataclasses.replace(_cfg(model, "easy", grid), activation_checkpointing=True)
+    run = dryrun.dry_run(cfg, grid)
+    _check(run)
+    shape = cost.shape_of(load_config(model))
+    to_all = sum(n for r, n in run.measured.items() if r.op == "all_to_all" and r.axes == "y")
+    linears = sum(1 for m in shape.block if isinstance(m, Matrix))
+    # Each Linear's output edge (its only all_to_all over y: the ends' are over x): forward twice and backward
+    # once, but the last Linear's forward once; per layer and micro-batch.
+    assert to_all == run.micro_batches * shape.layers * (3 * linears - 1), to_all

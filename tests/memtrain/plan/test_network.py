@@ -8,6 +8,7 @@
   the chained one for a call back to back with others, the isolated one where a curve lacks the series asked for;
   the latency + bandwidth entry where an op has no curve; a damaged curve is one error naming it.
 - The probes, on one process at small sizes: every rate finite and positive, in a table `--bandwidth` reads.
+- The collective probe files a group size where the planner looks it up (network.inside_node), on 4 ranks.
 """
 
 import json
@@ -15,9 +16,10 @@ import math
 
 import pytest
 
-from memtrain.plan import compute, cost, network, probes, search
+from memtrain.plan import collectives, compute, cost, network, probes, search
 from parallel import Grid
 from parallel.comm import Record
+from parallel.forked import run_ranks
 
 OTHER = {"op_overhead_s": 5e-6, "elementwise": {"norm": 2e-9, "loss": 3e-9}, "optimizer": [4e-9, 2e-5],
          "attention": {"fp32": {"head_dims": [8, 32], "seconds": [[1e-9, 2e-9], [4e-9, 8e-9]]}}}
@@ -122,3 +124,25 @@ def test_probed_rates_are_positive_and_load(monkeypatch, tmp_path):
     assert all(math.isfinite(r) and r > 0 for r in rates), other
     net = _load(tmp_path, other)
     assert net.attention_seconds(64, "fp32") is not None and _step(net).other_seconds > 0
+
+
+def _probe_places(rank, world):
+    """Where the collective probe files groups of 2 consecutive ranks of 4, at 2, 3 and 4 ranks per node."""
+    grid = Grid(2, 2, 1, 1, rank=rank)
+    grid.build_groups()
+    try:
+        return {gpn: sorted(collectives.measure_collectives(rank, world, gpn, sizes_mb=(0.01,), iters=1,
+                                                            grids={2: grid})["collective_curves"]["all_reduce"])
+                for gpn in (2, 3, 4)}
+    finally:
+        grid.release_groups()
+
+
+def test_the_probe_files_group_sizes_where_the_planner_looks_them_up():
+    """With 3 ranks per node, groups of 2 consecutive ranks of 4 straddle nodes (ranks 2-3 sit on two): the probe
+    filed them "intra" (2 <= 3) while network.inside_node, which picks the curve for a step, reads them "inter",
+    so the planner took a curve the probe never measured there."""
+    places = run_ranks(4, _probe_places)
+    expected = {gpn: ["intra" if network.inside_node(Grid(2, 2, 1, 1), ("x",), gpn) else "inter"] for gpn in (2, 3, 4)}
+    assert expected == {2: ["intra"], 3: ["inter"], 4: ["intra"]}
+    assert all(p == expected for p in places), places

@@ -1,7 +1,8 @@
 """The planner's optimizer offload against what OffloadAdamW (memtrain/training/offload.py) holds and moves.
 
 - Memory, as test_cost.py measures the on-device optimizer: after one step of the trainer's train_step on the
-  tiny Llama, the bytes on the device (parameters and gradients: the optimizer keeps nothing there) and on the
+  tiny Llama, the bytes on the device (parameters and gradients: the optimizer keeps nothing there; the
+  overlapped gradient sync's bucket buffers, which offload streams from, on 2-rank grids with data = 1 too) and on the
   host (fp32 masters, moments and step scalars in the optimizer's state, gradient staging buffers), counted from
   the optimizer's own tensors, equal cost.state_bytes(offload=True) and cost.host_bytes exactly; fp32 and bf16
   (bf16 parameters and gradients on the device), on one process and on 2-rank grids of both modes. The host
@@ -11,6 +12,7 @@
   step pays the copies; --offload with --validate and a negative --host-gbps are one-line errors.
 """
 
+import dataclasses
 import json
 import re
 
@@ -52,6 +54,9 @@ def _measure(grid, mode: str, precision: str) -> dict:
     cfg.train.optimizer_offload = True
     amp = torch.bfloat16 if precision == "bf16" else None
     opt = build_optimizer(plm, cfg, amp)
+    # The GradSync train_step takes (kept on the model; built after the optimizer, which sets the gradients'
+    # dtype). Its buckets are read before the step: a run's first step re-cuts them at its end.
+    buckets = list(parallel.grad_sync(plm, grid).buckets)
     split = grid.world_size if mode == "easy" else grid.size(("z", "data"))
     g = torch.Generator().manual_seed(7)
     ids, labels = torch.randint(0, 128, (B, S), generator=g), torch.randint(0, 128, (B, S), generator=g)
@@ -63,7 +68,8 @@ def _measure(grid, mode: str, precision: str) -> dict:
     known = {id(t) for t in params + grads + host}
     elsewhere = {id(t): t for t in _tensors(vars(opt), set()) if id(t) not in known}  # any other the optimizer keeps
     shared = {t.untyped_storage().data_ptr() for t in params + grads} & {t.untyped_storage().data_ptr() for t in host}
-    return {"device": {"params": _nbytes(params), "grads": _nbytes(grads), "optimizer": _nbytes(elsewhere.values())},
+    return {"device": {"params": _nbytes(params), "grads": _nbytes(grads), "optimizer": _nbytes(elsewhere.values()),
+                       "grad_buckets": _nbytes(b.buf for b in buckets if b.buf is not None)},
             "host": {"masters": _nbytes(opt.masters.values()),
                      "moments": _nbytes(st[k] for st in opt.state.values() for k in ("exp_avg", "exp_avg_sq")),
                      "steps": _nbytes(st["step"] for st in opt.state.values()),
@@ -136,6 +142,8 @@ def test_offload_traffic_is_zero_on_cpu_ranks():
 @pytest.mark.parametrize("args, message", [
     (["--offload", "--validate"], "--offload applies to planning only"),
     (["--offload", "--host-gbps", "-1"], "--host-gbps"),
+    (["--offload", "--host-gbps=-1"], "-1.0 is invalid: use a finite number >= 0 (0: CPU ranks)"),
+    (["--offload", "--host-gbps=nan"], "nan is invalid: use a finite number >= 0 (0: CPU ranks)"),
 ])
 def test_offload_bad_input_is_one_line_and_exit_2(args, message, capsys):
     try:
@@ -144,3 +152,47 @@ def test_offload_bad_input_is_one_line_and_exit_2(args, message, capsys):
         code = e.code
     err = capsys.readouterr().err
     assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_cpu_ranks_hold_the_offloaded_state_and_run_adamw_in_their_step():
+    """--host-gbps 0: the ranks are CPUs, whose host memory is the device memory the limit bounds and whose cores
+    run the offloaded AdamW. The planner dropped both: a grid the memory does not hold was ranked, fewest_gpus
+    came out too low, and the step lacked AdamW's time."""
+    net = search.Network(optimizer=[1e-8, 1e-5])
+    base = dict(model="ladder-1m", gpus=1, seq=16, precision="fp32")
+    cpu = search.PlanConfig(**base, offload=True, host_gbps=0)
+    (p,), _ = search.plan(dataclasses.replace(cpu), net)
+    (plain,), _ = search.plan(search.PlanConfig(**base), net)
+    (gpu,), _ = search.plan(search.PlanConfig(**base, offload=True), net)
+    assert p.memory["offloaded"] == p.host_memory > 0 and "offloaded" not in gpu.memory
+    assert p.memory["total"] == sum(v for k, v in p.memory.items() if k != "total")
+    assert p.other_seconds == pytest.approx(plain.other_seconds) and gpu.other_seconds < plain.other_seconds
+    # Memory for the rank's own bytes but not the host's too: GPU ranks fit, CPU ranks need a second one.
+    small = dataclasses.replace(net, gpu_memory_gb=(p.memory["total"] - 1) / 1e9)
+    assert search.plan(search.PlanConfig(**base, offload=True), small)[0]
+    with pytest.raises(ValueError, match="needs more than"):
+        search.plan(dataclasses.replace(cpu), small)
+    assert search.fewest_gpus(cpu, small, None)[0] == 2
+
+
+def test_fewest_gpus_names_the_batch_no_larger_power_of_two_divides(capsys):
+    """Easy mode splits a batch of 3 over every rank, so past 1 GPU no power of two runs it at all: the reason is the
+    batch, not memory, where the line said "more than 65,536 GPUs". That stays the reason when every count runs
+    the model and none holds it."""
+    cli_main(["plan", "--model", "width-384", "--gpus", "3", "--batch", "3", "--seq", "512", "--offload", "--mode",
+              "easy", "--gpu-memory-gb", "0.05"])
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("fewest GPUs"))
+    why = "none (too little memory on 1 GPU, and no larger power of two runs it: batch 3 is not divisible by " \
+          "data*x*y*z=2)"
+    assert line.endswith(f": {why} without optimizer offload, {why} with"), line
+    cfg = search.PlanConfig("ladder-1m", 1, seq=16)
+    assert search.fewest_gpus(cfg, search.Network(gpu_memory_gb=1e-6), None, most=4) == (None, "more than 4 GPUs")
+
+
+@pytest.mark.parametrize("value", ["0", "0.0", "-0", "0e0"])
+def test_host_gbps_zero_in_any_spelling_means_cpu_ranks(value, capsys):
+    """0 GB/s (CPU ranks) is the one value below the positive rates --host-gbps takes; "0.0" was refused with a
+    message that ruled 0 out."""
+    assert cli_main(["plan", "--model", "ladder-1m", "--gpus", "1", "--offload", f"--host-gbps={value}", "--top",
+                     "1"]) in (0, None)
+    assert "optimizer offload (0 GB/s to the host)" in capsys.readouterr().out

@@ -10,6 +10,7 @@
 
 import json
 import multiprocessing as mp
+import re
 
 import pytest
 import torch
@@ -121,3 +122,33 @@ def test_bad_input_is_one_line_and_exit_2(args, message, capsys):
     err = capsys.readouterr().err
     assert code == 2 and err.startswith("memtrain: error: ") and message in err, err
     assert len(err.strip().splitlines()) == 1, err
+
+
+def test_the_fit_check_counts_the_grad_sync_bucket_buffers(tmp_path):
+    """The overlapped gradient sync (the trainer's default) keeps every synced gradient again in its buckets' flat
+    buffers, for good: a grid that holds parameters, gradients, AdamW and activations but not those was ranked as
+    fitting (405B on 1,024 A100s: 83 GB planned as 77). At data = 2 sharded, every gradient is synced; the
+    blocking sync keeps no buffer."""
+    cfg = dict(model="ladder-1m", gpus=2, batch=2, seq=16, micro_batch=1, mode="sharded", precision="fp32")
+    (p,) = [p for p in search.plan(search.PlanConfig(**cfg), network.Network())[0] if p.grid == (2, 1, 1, 1)]
+    shape = cost.shape_of(search.load_config("ladder-1m"))
+    buffers = sum(map(sum, cost.gradient_buckets(shape, Grid(2, 1, 1, 1), "sharded").values()))
+    assert p.memory["grad_buckets"] == buffers == p.memory["params"] > 0
+    assert p.memory["total"] == sum(v for k, v in p.memory.items() if k != "total")
+    net = network.Network(gpu_memory_gb=(p.memory["total"] - 1) / 1e9)
+    grids = lambda **kw: [q.grid for q in search.plan(search.PlanConfig(**cfg, **kw), net)[0]]  # noqa: E731
+    assert (2, 1, 1, 1) not in grids()
+    assert (2, 1, 1, 1) in grids(grad_sync="blocking")
+    out = tmp_path / "plan.json"  # the command line's --grad-sync reaches the planner, not only --validate
+    cli_main(["plan", "--model", "ladder-1m", "--gpus", "2", "--seq", "16", "--grad-sync", "blocking", "--json",
+              str(out)])
+    assert {p["memory"]["grad_buckets"] for p in json.loads(out.read_text())["plans"]} == {0}
+
+
+def test_the_smallest_need_over_the_limit_reads_in_its_unit(capsys):
+    """Grids a few MB over a 2 MB limit: the hint said "the smallest needs 0.0 GB"."""
+    assert cli_main(["plan", "--model", "ladder-1m", "--gpus", "8", "--gpu-memory-gb", "0.002", "--seq", "64"]) == 2
+    err = capsys.readouterr().err
+    assert re.search(r"\(the smallest needs [1-9][0-9.]* MB\): use more GPUs", err), err
+    assert [search.size_text(b) for b in (512, 2_794_000, 5e9, 1.234e11, 4e12)] == [
+        "512 bytes", "2.79 MB", "5 GB", "123 GB", "4,000 GB"]
