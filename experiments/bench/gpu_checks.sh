@@ -18,8 +18,9 @@
 #   demo   the main job (`python -m memtrain demo`, what `make TORCH=torch demo` runs once installed), timed
 #   parity the demo's width-384 standard points (3 seeds) on the GPU and on this machine's CPU, same corpus, each
 #          with its own cache (pretraining too): their one-exposure summaries side by side. On 2026-11-24 the GPU
-#          demo (Python 3.12.3's stdlib) gave negative one-exposure drops at every size, where CPU runs on other
-#          Pythons' stdlib (3.11.7, 3.12.1) gave positive ones: this tells the device from the corpus
+#          demo (Python 3.12.3's stdlib, an earlier preset) gave negative one-exposure drops at every size; today's
+#          preset gives positive ones on a CPU over 3.11.7's, 3.12.1's and 3.13.0's (experiments/robustness/):
+#          this tells the device from the corpus
 #   all    bench compile train tests (the default; demo takes a call of its own)
 set -u
 out=${OUT:-gpu_out}
