@@ -40,7 +40,7 @@ def _model_tokenizer(model: str, trust_remote_code: bool):
         raise FileNotFoundError(f"--model {model!r} is not a directory: name a transformers model directory or a "
                                 "memtrain run")
     if (path / CONFIG).is_file() or (path / "state.json").is_file():
-        run, ckpt = resolve(path)
+        run, ckpt = resolve(path, then="evaluate")
         cfg = load_config(run / CONFIG)
         allow_remote_code(cfg, trust_remote_code, str(run / CONFIG))
         return run_tokenizer(run, cfg), cfg, ckpt

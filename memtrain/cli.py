@@ -185,7 +185,8 @@ def main(argv: list[str] | None = None) -> int:
     # The flag spelling stays for scripts; after torchrun's `-m memtrain` only the positional parses (torchrun
     # reads `--run` as an abbreviation of its own --run-path).
     e.add_argument("--run", dest="run_flag", metavar="RUN", help="the same, as a flag")
-    e.add_argument("--checkpoint", help="checkpoint directory (default: the run's latest)")
+    e.add_argument("--checkpoint", help="one of the run's checkpoints/step_* directories (default: its latest); an "
+                   "earlier one needs --out, and its canaries count the copies trained up to its step")
     e.add_argument("--model", help="a transformers model directory (safetensors) or a memtrain run or checkpoint, "
                    "scored on --canaries")
     e.add_argument("--canaries", help="JSONL canary file to score against --model")

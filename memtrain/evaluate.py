@@ -36,11 +36,12 @@ from memtrain.config import RunConfig
 from memtrain.config import load as load_config
 from memtrain.data import build_stream
 from memtrain.data.canaries import render_secret
+from memtrain.export import resolve
 from memtrain.files import read_json, write_atomic
 from memtrain.hf import GridModel
 from memtrain.models import allow_remote_code, build_model
 from memtrain.progress import note, seconds, stage
-from memtrain.run_files import CONFIG, EVAL, EVAL_CANARIES, MANIFEST, RUN, check_output
+from memtrain.run_files import CHECKPOINTS, CONFIG, EVAL, EVAL_CANARIES, MANIFEST, RUN, check_output
 from memtrain.scoring import prefix_lens
 from memtrain.training import TrainResult, checkpoint, setup
 
@@ -213,8 +214,9 @@ def evaluate_after(cfg: RunConfig, result: TrainResult) -> dict | None:
 
 def evaluate_run(run_dir: Path, checkpoint_path: str | None = None, trust_remote_code: bool = False,
                  overrides: list[str] | None = None, out: str | Path | None = None) -> dict | None:
-    """`memtrain eval RUN_DIR`: evaluate a finished run again from its checkpoint, into the run directory, or with
-    `overrides` (eval.* and parallel.* keys) into `out`, so the run's own results stay those of its config.
+    """`memtrain eval RUN_DIR`: evaluate a finished run again from its final checkpoint, into the run directory, or
+    with `overrides` (eval.* and parallel.* keys) or another of its checkpoints (`checkpoint_path`: copies counted up
+    to its step) into `out`, so the run's own results stay those of its config and its last step.
 
     One process evaluates the plain HF model. Under torchrun or srun the processes form a grid with the run's
     x, y and z (data takes the remaining ranks), each reads only its shards of the checkpoint, and they evaluate
@@ -242,7 +244,11 @@ def evaluate_run(run_dir: Path, checkpoint_path: str | None = None, trust_remote
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
         raise ValueError(f"run file {str(run_json)!r} does not say how many steps the run trained (trained.steps): "
                          f"{fix}")
-    source = Path(checkpoint_path) if checkpoint_path else run_dir
+    source, step = _checkpoint(run_dir, checkpoint_path)
+    if step != steps and out is None:
+        raise ValueError(f"checkpoint {str(source)!r} is step {step} of a {steps}-step run: add --out DIR (the run's "
+                         "own eval.json stays its final model's)")
+    steps = step  # copies are counted up to the model scored
     dest = run_dir if out is None else out
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
@@ -263,6 +269,23 @@ def evaluate_run(run_dir: Path, checkpoint_path: str | None = None, trust_remote
         weights = {k: src.read(k) for k in src.keys()}  # one process evaluates the whole model
     model = run_model(cfg, stream.vocab_size, weights)
     return evaluate(model, stream, cfg, dest, steps)
+
+
+def _checkpoint(run_dir: Path, named: str | None) -> tuple[Path, int]:
+    """(checkpoint, its step) that `memtrain eval RUN_DIR [--checkpoint C]` scores: the run's latest, or C, which
+    must be one of the run's own (a checkpoint of another run would be scored on this run's canaries)."""
+    if named is None:
+        _, ckpt = resolve(run_dir, then="evaluate")
+        return ckpt, checkpoint.read_state(ckpt)["step"]
+    ckpt, own = Path(named), run_dir / CHECKPOINTS
+    if not (ckpt / "state.json").is_file():
+        raise FileNotFoundError(f"--checkpoint {named!r} is not a checkpoint (no state.json): name one of "
+                                f"{str(own)!r}'s step_* directories")
+    step = checkpoint.read_state(ckpt)["step"]
+    if ckpt.resolve().parent != own.resolve():
+        raise ValueError(f"--checkpoint {named!r} is not one of {str(run_dir)!r}'s checkpoints ({str(own)!r}): name "
+                         "one of them, or evaluate the run it belongs to")
+    return ckpt, step
 
 
 def eval_grid(cfg: RunConfig) -> parallel.Grid:

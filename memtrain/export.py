@@ -88,8 +88,9 @@ def export(source: str | os.PathLike, out: str | os.PathLike, max_shard_bytes: i
     return ckpt, out
 
 
-def resolve(path: Path) -> tuple[Path, Path]:
-    """(run directory, checkpoint directory) of a run directory or of one of its checkpoints."""
+def resolve(path: Path, then: str = "export") -> tuple[Path, Path]:
+    """(run directory, checkpoint directory) of a run directory or of one of its checkpoints; `then` is what the
+    caller does with it, for the fix a run without weights is given."""
     path = path.resolve()  # a checkpoint named from inside its run (step_000002) has the run two levels up
     if not path.exists():
         raise FileNotFoundError(f"RUN_OR_CHECKPOINT {str(path)!r} does not exist: {_HINT}")
@@ -102,10 +103,11 @@ def resolve(path: Path) -> tuple[Path, Path]:
             raise FileNotFoundError(f"run {str(path)!r} finished but its weights were deleted once it was evaluated "
                                     "(a sweep's keep_final_weights dropped them): retrain it with `memtrain train "
                                     f"--config {shlex.quote(str(path / CONFIG))} --out {shlex.quote(str(again))}` "
-                                    "and export that directory")
+                                    f"and {then} that directory")
         if ckpt is None:
             raise FileNotFoundError(f"run {str(path)!r} has no complete checkpoint in {str(path / 'checkpoints')!r}: "
-                                    "let its training finish (`memtrain train --resume` continues it)")
+                                    "let its training finish (`memtrain train --resume` continues from a saved "
+                                    "checkpoint; a run stopped before its first save starts again with --force)")
         return path, ckpt
     run = path.parent.parent  # RUN/checkpoints/step_N: the config and tokenizer live in RUN
     if (path / "state.json").is_file() and (run / CONFIG).is_file():

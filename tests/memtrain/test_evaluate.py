@@ -186,3 +186,29 @@ def test_re_evaluation_with_other_settings_goes_to_its_own_directory(tiny_run, t
     assert (tiny_run.out / "eval.json").read_bytes() == before
     refused(memtrain("eval", tiny_run.out, "--set", "eval.exposure_samples=16"), "needs --out DIR")
     refused(memtrain("eval", tiny_run.out, "--set", "train.lr=0.1", "--out", tmp_path / "x"), "train.lr")
+
+
+def test_an_earlier_checkpoint_is_scored_apart_with_the_copies_trained_by_its_step(tiny_run, tmp_path):
+    """`memtrain eval RUN --checkpoint step_3` of a 6-step run: refused without --out (the run's own eval.json is
+    its final model's), and with --out each canary counts the copies trained in steps 1-3 (the manifest's steps
+    0-2), not the run's 6. A checkpoint of another run is refused: its weights would be scored on this run's
+    canaries."""
+    run = tmp_path / "run"
+    r = memtrain("train", "--config", tiny_run.recipe, "--out", run, "--set", "train.checkpoint_every=3",
+                 "--set", "train.keep_checkpoints=2")
+    assert r.returncode == 0, r.stderr[-3000:]
+    before = (run / "eval.json").read_bytes()
+    early = run / "checkpoints" / "step_000003"
+    refused(memtrain("eval", run, "--checkpoint", early), "is step 3 of a 6-step run: add --out DIR")
+    assert (run / "eval.json").read_bytes() == before
+    r = memtrain("eval", run, "--checkpoint", early, "--out", tmp_path / "at3")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert json.loads((tmp_path / "at3" / "eval.json").read_text())["steps"] == 3
+    trained = {c["id"]: sum(p["step"] < 3 for p in c["placements"])
+               for c in map(json.loads, (run / "canaries.jsonl").read_text().splitlines())}
+    rows = [json.loads(x) for x in (tmp_path / "at3" / "eval_canaries.jsonl").read_text().splitlines()]
+    assert {row["id"]: row["copies"] for row in rows if row["inserted"]} == trained
+    assert sum(trained.values()) < sum(c["copies"] for c in map(json.loads, (run / "canaries.jsonl")
+                                                              .read_text().splitlines()))  # some come later
+    other = tiny_run.out / "checkpoints" / "step_000006"
+    refused(memtrain("eval", run, "--checkpoint", other, "--out", tmp_path / "x"), "is not one of")

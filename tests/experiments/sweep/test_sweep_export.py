@@ -33,7 +33,7 @@ import torch
 
 from experiments.sweep import cli as sweep_cli
 from memtrain.training.tracking import PASS_AXIS
-from tests.memtrain._helpers import ENV, checkpoint_files, cli, stdlib_corpus
+from tests.memtrain._helpers import ENV, checkpoint_files, cli, refused, stdlib_corpus
 from tests.memtrain.training._wandb_files import of_type, records
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -143,9 +143,13 @@ def test_export_of_a_sweep_run_rescores_its_canaries_in_plain_transformers(ws):
 def test_dropped_weights_name_the_command_that_gets_them_back(ws, tmp_path):
     """The run as keep_final_weights = false leaves it (test_keep_weights.py: the sweep deletes them): export says
     so in one line, and the `memtrain train` it names, run as printed, retrains the weights the sweep kept, bit for
-    bit (the run's config.toml starts from the same cached base model)."""
+    bit (the run's config.toml starts from the same cached base model). `eval` of it names the same command, not
+    a config key the user never set."""
     run = tmp_path / "exp" / POINT
     shutil.copytree(ws["run"], run, ignore=shutil.ignore_patterns("checkpoints", "wandb*"))
+    error = refused(cli("eval", run, "--set", "eval.exposure_samples=8", "--out", tmp_path / "again"),
+                    "its weights were deleted once it was evaluated")
+    assert "evaluate that directory" in error and f"--out {run}-weights" in error
     r = cli("export", run, "--out", tmp_path / "hf")
     lines = r.stderr.strip().splitlines()
     assert r.returncode == 2 and len(lines) == 1 and lines[0].startswith("memtrain: error:"), r.stderr[-2000:]
