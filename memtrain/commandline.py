@@ -38,7 +38,7 @@ def run_command(fn) -> int:
 def _ended(e: BaseException) -> int | None:
     """The exit code of a command that raised `e`, its line printed; None when `e` is a bug."""
     if isinstance(e, KeyboardInterrupt):
-        print(f"memtrain: interrupted: {signals.RESUME_HINT}", file=sys.stderr)
+        print(f"memtrain: interrupted: {e.args[0] if e.args else signals.RESUME_HINT}", file=sys.stderr)
         return 130
     if isinstance(e, signals.Terminated):
         print(f"memtrain: {e}", file=sys.stderr)

@@ -231,7 +231,8 @@ def train(cfg: RunConfig, out_dir: str | Path, *, resume: bool = False, force: b
 
     if cfg.eval.every_pass and start == 0:
         probe(0)
-    with signals.deferred(), _progress(grid, start, total) as progress:  # SIGTERM: stop at a step boundary, saved
+    # SIGTERM: stop at a step boundary, saved; Ctrl-C: stop at once, saying what a resume can start from
+    with signals.deferred(), _progress(grid, start, total) as progress, _say_what_was_saved(out):
         for step in range(start, total):
             t0 = time.perf_counter()
             batch = stream.batch(step % steps_per_epoch, B)
@@ -285,6 +286,21 @@ def train(cfg: RunConfig, out_dir: str | Path, *, resume: bool = False, force: b
             final_val_loss = None
     return TrainResult(out, total, last, grid, plm, stream, tracker,
                        statistics.median(rates) if rates else None, final_val_loss)
+
+
+@contextlib.contextmanager
+def _say_what_was_saved(out: Path):
+    """Ctrl-C inside the block ends with the checkpoint --resume would continue from, or that there is none."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        ckpt = checkpoint.latest(out)
+        sigterm = "SIGTERM (kill -TERM), unlike Ctrl-C, saves the step a run is at before it stops"
+        if ckpt is None:
+            raise KeyboardInterrupt(f"no checkpoint saved yet, so --resume cannot continue this run: train it again "
+                                    f"with --force ({sigterm})") from None
+        raise KeyboardInterrupt(f"--resume continues this run from its last checkpoint, {ckpt.name}, not from the "
+                                f"step it was at ({sigterm})") from None
 
 
 _clock = time.monotonic  # the time-based checkpoints' clock (tests replace it)

@@ -117,12 +117,15 @@ def test_a_second_trainer_is_refused_while_the_first_runs(recipe, tmp_path):
         first.wait()
 
 
-def test_interrupt_exits_130_with_a_resume_hint(recipe, tmp_path):
+def test_interrupt_exits_130_saying_what_a_resume_can_continue(recipe, tmp_path):
     proc = _start(recipe, tmp_path / "run")
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=300)  # a loaded 2-core machine took over 120 s to wind the run down
     assert proc.returncode == 130, err[-3000:]
-    assert "--resume" in err.strip().splitlines()[-1] and "Traceback" not in err
+    # no checkpoint yet (checkpoint_every=0, the time-based one not due): the line says --resume cannot continue
+    assert err.strip().splitlines()[-1].startswith("memtrain: interrupted: no checkpoint saved yet, so --resume "
+                                                   "cannot continue this run: train it again with --force"), err[-3000:]
+    assert "Traceback" not in err
 
 
 def test_force_starts_clean_with_a_new_wandb_id(recipe, tmp_path):

@@ -245,3 +245,17 @@ def test_compiled_run_trains_as_the_eager_one(recipe, finished_run, tmp_path):
     # so is the permission to run a model directory's code: only --trust-remote-code gives it, on each command
     eager.model.trust_remote_code = True
     assert run_dir.resume_blockers(saved, eager) == []
+
+
+def test_ctrl_c_names_the_checkpoint_a_resume_starts_from(tmp_path):
+    """Ctrl-C stops training at once (SIGTERM saves first): the line names the checkpoint --resume would continue
+    from, or says there is none, where it once promised a checkpoint that a run with checkpoint_every=0 never
+    wrote (--resume was then refused)."""
+    with pytest.raises(KeyboardInterrupt, match="^no checkpoint saved yet, so --resume cannot continue"):
+        with trainer._say_what_was_saved(tmp_path):
+            raise KeyboardInterrupt
+    (tmp_path / "checkpoints" / "step_000004").mkdir(parents=True)
+    (tmp_path / "checkpoints" / "step_000004" / "state.json").write_text('{"step": 4}')
+    with pytest.raises(KeyboardInterrupt, match="^--resume continues this run from its last checkpoint, step_000004"):
+        with trainer._say_what_was_saved(tmp_path):
+            raise KeyboardInterrupt
