@@ -30,6 +30,7 @@ from pathlib import Path
 
 from experiments.results import RESULTS, read_results
 from memtrain.commandline import ArgumentParser, fail
+from memtrain.run_files import check_output
 
 from . import evals, passes, single_pass, single_pass_view
 from .figures import draw_figures
@@ -66,11 +67,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("path", nargs="+", help="a sweep directory (runs/<sweep>) or a results.jsonl file; or one or "
                     "more evaluation directories (`memtrain eval --out DIR`, run directories)")
     ap.add_argument("--out", default=None, help="where report.md and figures/ go (default: next to results.jsonl; "
-                    "for evaluations: the first one's directory)")
+                    "for evaluations: the first one's directory, unless it is a run directory); never a run directory "
+                    "or inside one")
     args = ap.parse_args(argv)
     try:
+        # like every command's output, never a run directory or inside one: only its own training writes there
+        if args.out is not None:
+            check_output(args.out)
         if evals.applies(args.path):
-            made = evals.plot_evals(args.path, args.out or args.path[0])
+            out = args.out or check_output(args.path[0], "--out (by default the first directory)")
+            made = evals.plot_evals(args.path, out)
             print(f"evaluations: {made['evals']}; figure {made['figure']}, table {made['table']}, numbers "
                   f"{made['csv']}")
             return 0

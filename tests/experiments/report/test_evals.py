@@ -40,3 +40,18 @@ def test_a_sweep_and_evaluations_do_not_mix(tmp_path, capsys):
     a = _eval_dir(tmp_path / "a", {"by_kind": {}})
     assert main([str(a), str(tmp_path)]) == 2
     assert "several paths must all be evaluation directories" in capsys.readouterr().err
+
+
+def test_a_run_directory_is_never_written_into(tmp_path, capsys):
+    """A run's eval.json may be compared, but the figures go elsewhere: a run directory holds only what its own
+    training writes (README), by default (the first path) or named as --out, itself or below it."""
+    run = _eval_dir(tmp_path / "run", {"by_kind": {"pii": {"exact_count": 1, "n_evaluated": 2}}})
+    (run / "config.toml").write_text("")
+    (run / "metrics.jsonl").write_text("")  # a run writes its config.toml and then these
+    other = _eval_dir(tmp_path / "audit", {"by_kind": {"pii": {"exact_count": 0, "n_evaluated": 2}}})
+    before = sorted(p.name for p in run.iterdir())
+    for argv in ([run, other], [other, run, "--out", run], [other, run, "--out", run / "cmp"]):
+        assert main([str(a) for a in argv]) == 2
+        assert "whose files only its own training writes" in capsys.readouterr().err
+    assert sorted(p.name for p in run.iterdir()) == before
+    assert main([str(run), str(other), "--out", str(tmp_path / "cmp")]) == 0
