@@ -17,7 +17,7 @@ import textwrap
 from importlib.metadata import entry_points, version
 from pathlib import Path
 
-from memtrain.commandline import EXIT_CODES, ArgumentParser, positive_float, positive_int, run_command
+from memtrain.commandline import EXIT_CODES, ArgumentParser, closed_pipe, positive_float, positive_int, run_command
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # no hub on most research clusters' compute nodes
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -221,7 +221,11 @@ def run() -> None:
     written and closed and its process groups destroyed by then, and a gloo group something still references
     is otherwise freed at interpreter teardown, where gloo aborts at random ("terminate called without an active
     exception": SIGABRT after a finished run, which a launcher or a sweep reads as a failed one)."""
-    code = main()
+    try:
+        code = main()
+        sys.stdout.flush()  # output still buffered meets a closed pipe here, not at exit (a traceback, exit 120)
+    except BrokenPipeError:
+        code = closed_pipe()
     if int(os.environ.get("WORLD_SIZE") or os.environ.get("SLURM_NTASKS") or 1) > 1:
         sys.stdout.flush()
         sys.stderr.flush()

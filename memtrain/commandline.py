@@ -4,20 +4,23 @@ memtrain/cli.py, `memtrain plan` (memtrain/plan/cli.py) and the experiments laye
 `ArgumentParser` and run through `run_command`, so bad input anywhere ends the same way: one line
 `memtrain: error: ...` naming the value and the fix, and exit code 2.
 
-Exit codes (EXIT_CODES, shown by --help): each but 0 comes with one line on stderr, 130 and 143 with the --resume
-hint. SIGTERM is memtrain/signals.py's.
+Exit codes (EXIT_CODES, shown by --help): each but 0 and 141 comes with one line on stderr, 130 and 143 with the
+--resume hint. SIGTERM is memtrain/signals.py's.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from memtrain import bounds, signals
 
 EXIT_CODES = ("exit codes: 0 done; 1 a failed sweep point, or a rank of the run lost; 2 bad input, or a path, "
-              "permission or full disk refusing a write; 130 Ctrl-C; 143 SIGTERM (what SLURM and torchrun send: "
-              "training saves the step it is at first)")
+              "permission or full disk refusing a write; 130 Ctrl-C; 141 the output's reader went away (| head); "
+              "143 SIGTERM (what SLURM and torchrun send: training saves the step it is at first)")
+PIPE_CLOSED = 141
+"""128 + SIGPIPE: how a process that wrote into a closed pipe ends by default, and what shells report for it."""
 
 
 def run_command(fn) -> int:
@@ -37,6 +40,8 @@ def run_command(fn) -> int:
 
 def _ended(e: BaseException) -> int | None:
     """The exit code of a command that raised `e`, its line printed; None when `e` is a bug."""
+    if isinstance(e, BrokenPipeError):
+        return closed_pipe()
     if isinstance(e, KeyboardInterrupt):
         print(f"memtrain: interrupted: {e.args[0] if e.args else signals.RESUME_HINT}", file=sys.stderr)
         return 130
@@ -71,6 +76,13 @@ def _lost_rank(e: RuntimeError) -> str | None:
     cause = str(e).split("] ", 1)[-1].split(". This is typically", 1)[0]  # gloo's source line and advice cut
     return (f"rank {dist.get_rank()} lost contact with the other ranks: {who or cause}: this rank stopped too; "
             f"{signals.RESUME_HINT}")
+
+
+def closed_pipe() -> int:
+    """stdout's reader went away (`memtrain ... | head`): end quietly with PIPE_CLOSED, not as bad input, with stdout
+    pointed at /dev/null so that nothing flushes into the closed pipe at exit."""
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return PIPE_CLOSED
 
 
 def fail(message: str) -> int:

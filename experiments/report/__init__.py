@@ -84,6 +84,8 @@ def main(argv: list[str] | None = None) -> int:
             return fail(f"{len(args.path)} paths given: a sweep is plotted alone (several paths must all be "
                         "evaluation directories with eval.json)")
         made = build_report(args.path[0], args.out)
+    except BrokenPipeError:  # stdout's reader went away: memtrain.commandline ends it (not bad input)
+        raise
     except (OSError, ValueError) as e:
         return fail(str(e))
     print(f"report: {made['report']} ({made['runs']} runs)")

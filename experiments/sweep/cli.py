@@ -95,6 +95,8 @@ def main(argv: list[str] | None = None, parser: argparse.ArgumentParser | None =
         jobs = " (submitted jobs go on: --resume collects them)" if args.launcher == "slurm" else ""
         print(f"\ninterrupted: finished runs are in results.jsonl{jobs}; continue with --resume", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # stdout's reader went away: memtrain.commandline ends it (not bad input)
+        raise
     except (ValueError, OSError) as e:
         return fail(str(e))
     if summary["failed"]:

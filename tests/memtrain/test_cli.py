@@ -198,3 +198,15 @@ def test_a_distributed_run_evaluates_on_its_grid(on_two_ranks, tmp_path):
     assert len([x for x in r.stdout.splitlines() if x.startswith("exact_match_rate=")]) == 1, r.stdout
     assert json.loads((out / "eval.json").read_text())["exact_count"] == one["exact_count"]
     _assert_same_eval(out, one_process)
+
+
+@pytest.mark.parametrize("argv", [["sweep", "single-pass", "--list"], ["config"],
+                                  ["plan", "--model", "ladder-1m", "--gpus", "8"]])
+def test_output_into_a_closed_pipe_ends_quietly_with_141(argv):
+    """`memtrain sweep single-pass --list | head -1`: the reader gone before the output comes, the command ends as
+    a process killed by SIGPIPE would (141, nothing on stderr), not as bad input (2, '[Errno 32] Broken pipe')."""
+    p = subprocess.Popen([sys.executable, "-m", "memtrain", *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         env=ENV, cwd=ROOT)
+    p.stdout.close()  # before it writes: its imports take a second
+    err = p.stderr.read()
+    assert p.wait(timeout=300) == 141 and err == b"", err.decode()[-2000:]
