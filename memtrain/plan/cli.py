@@ -96,13 +96,20 @@ def main(argv: list[str] | None = None) -> int | None:
     plans, summary = plan(cfg, net)
     extras = (", activation checkpointing" if cfg.activation_checkpointing else "") + (
         f", optimizer offload ({cfg.host_gbps:g} GB/s to the host)" if cfg.offload else "")
+    guess = {k: " (not in the table: the preset's)" if k in net.unmeasured else "" for k in
+             ("gpu_memory_gb", "inter_node_gbps")}
     print(f"{cfg.model} on {cfg.gpus} GPUs, {summary['mode']} mode, batch {cfg.batch} x {cfg.seq} tokens, "
           f"{cfg.precision}{extras}; {net.name}: "
-          f"{net.gpus_per_node} GPUs/node, {net.gpu_memory_gb:g} GB, {net.intra_node_gbps:.3g} GB/s in a node, "
-          f"{net.inter_node_gbps:.3g} GB/s across, {compute_text(net, cfg.precision)}")
+          f"{net.gpus_per_node} GPUs/node, {net.gpu_memory_gb:g} GB{guess['gpu_memory_gb']}, "
+          f"{net.intra_node_gbps:.3g} GB/s in a node, {net.inter_node_gbps:.3g} GB/s across{guess['inter_node_gbps']}, "
+          f"{compute_text(net, cfg.precision)}")
     print(f"{summary['grids']} grids, {summary['valid']} run and fit; ranked by predicted step time: compute + the "
           f"communication overlap cannot hide (* = groups span nodes; micro = sequences x micro-batches):")
     print(table(plans, args.top))
+    if guess["inter_node_gbps"] and any(not a["inside_node"] for p in plans[:args.top] for a in p.axes.values()):
+        print(f"note: the grids marked * communicate across nodes, which the bandwidth table does not measure: their "
+              f"time assumes the preset's {net.inter_node_gbps:g} GB/s. Measure on 2+ nodes, or give --gpus-per-node "
+              f"{cfg.gpus} to plan as if on one node")
     if cfg.offload:
         print(fewest_text(cfg, net, args.batch))
     if args.json:

@@ -93,6 +93,9 @@ class Network:
     """Measured: precision -> {"head_dims": [d...], "seconds": [[forward, backward] per score, for each d]}: causal
     SDPA's time per element of its seq x seq score square per head; none: attention at the matmul rate alone."""
     source: str = ""
+    unmeasured: tuple = ()
+    """Figures a bandwidth table left out (inter_node_gbps: null from a one-node --measure; gpu_memory_gb, which it
+    never holds), so the preset's stand in: the plan's header says so."""
 
     def seconds(self, record: Record, inside_node: bool, series: str = "isolated") -> float:
         """Time of one collective, from the nearest measured group size: its measured curve at this payload, in the
@@ -207,12 +210,14 @@ def load_network(machine: str | None = None, bandwidth: str | None = None, gpus_
         if unknown:
             raise ValueError(f"{str(path)!r}: unknown key {unknown[0]!r} (known: {', '.join(sorted(allowed))})")
         values.update({k: v for k, v in loaded.items() if k in allowed and v is not None})
+        values["unmeasured"] = tuple(k for k in ("inter_node_gbps", "gpu_memory_gb") if loaded.get(k) is None)
         _check_table(path, Network(**values))
     for key, value in (("gpus_per_node", gpus_per_node), ("gpu_memory_gb", gpu_memory_gb)):
         if value is not None:
             if value <= 0:
                 raise ValueError(f"--{key.replace('_', '-')}={value} is invalid: it must be positive")
             values[key] = value
+            values["unmeasured"] = tuple(k for k in values.get("unmeasured", ()) if k != key)
     return Network(**values)
 
 

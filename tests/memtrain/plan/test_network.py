@@ -16,6 +16,7 @@ import math
 
 import pytest
 
+from memtrain.plan import cli as plan_cli
 from memtrain.plan import collectives, compute, cost, network, probes, search
 from parallel import Grid
 from parallel.comm import Record
@@ -146,3 +147,23 @@ def test_the_probe_files_group_sizes_where_the_planner_looks_them_up():
     expected = {gpn: ["intra" if network.inside_node(Grid(2, 2, 1, 1), ("x",), gpn) else "inter"] for gpn in (2, 3, 4)}
     assert expected == {2: ["intra"], 3: ["inter"], 4: ["intra"]}
     assert all(p == expected for p in places), places
+
+
+def test_what_a_table_leaves_out_is_named_where_the_plan_relies_on_it(tmp_path, capsys):
+    """A one-node `--measure` writes inter_node_gbps null and no device memory: the preset's figures stand in, and
+    the plan's header says so; grids that communicate across nodes get a note that their time rests on that guess
+    (60x the measured in-node rate ranked them first)."""
+    table = tmp_path / "bw.json"
+    table.write_text(json.dumps({"name": "vm", "gpus_per_node": 2, "intra_node_gbps": 0.4, "inter_node_gbps": None}))
+    net = network.load_network(bandwidth=str(table))
+    assert net.unmeasured == ("inter_node_gbps", "gpu_memory_gb")
+    assert network.load_network(bandwidth=str(table), gpu_memory_gb=16).unmeasured == ("inter_node_gbps",)
+    assert network.load_network().unmeasured == ()  # a preset's figures are what it says
+    assert not plan_cli.main(["--model", "ladder-1m", "--gpus", "8", "--bandwidth", str(table)])
+    out = capsys.readouterr().out
+    assert "80 GB (not in the table: the preset's)" in out and "25 GB/s across (not in the table: the preset's)" in out
+    assert "note: the grids marked * communicate across nodes, which the bandwidth table does not measure" in out
+    plan_cli.main(["--model", "ladder-1m", "--gpus", "8", "--bandwidth", str(table), "--gpus-per-node", "8",
+                   "--gpu-memory-gb", "16"])
+    out = capsys.readouterr().out
+    assert "16 GB," in out and "not in the table" in out and "note:" not in out  # one node: nothing crosses
