@@ -45,7 +45,9 @@ def build_parser(preset: str | None = None, prog: str = "memtrain sweep",
                          "sweep.keep_checkpoints and sweep.keep_final_weights set the sweep's own sections")
     ap.add_argument("--out", default=None, help="the sweep's directory (default runs/<sweep name>)")
     ap.add_argument("--resume", action="store_true",
-                    help="run only points without a finished result (failed points are retried)")
+                    help="run only points without a finished result of their config as it is now: failed points, "
+                         "and points whose config changed since (other --set values, an edited spec), run again, "
+                         "their new result appended beside the old")
     ap.add_argument("--launcher", choices=LAUNCHERS, default="local",
                     help="local: one process per run; torchrun: torchrun --standalone --nproc-per-node N; slurm: "
                          "each point a SLURM job of its nodes and GPUs; submitit-local: the same jobs on this machine")
