@@ -99,6 +99,27 @@ class ParallelLM(nn.Module):
 
     forward = token_losses
 
+    @torch.no_grad()
+    def isolates_documents(self) -> bool:
+        """Whether position ids that restart inside a row keep its documents apart (collective): the losses of a
+        row's second document must not move when its first document's tokens change. Most transformers families
+        mask packed sequences by their position ids; some (OPT, BLOOM) never pass them to their masks, and a
+        row's documents then attend to each other. Every rank scores one such row of its own."""
+        was, vocab = self.training, self.config.vocab_size
+        ids = torch.tensor([[1, 2, 3, 4, 5, 6, 7, 8], [9, 10, 11, 4, 5, 6, 7, 8]]) % vocab
+        positions = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4]] * 2)
+        labels = torch.full_like(ids, -100)
+        labels[:, 3:7] = ids[:, 4:8]  # the second document's targets only
+        self.eval()  # dropout would move them too
+        try:
+            moved = [self.token_losses(ids[i:i + 1].to(self.grid.device), labels[i:i + 1].to(self.grid.device),
+                                       positions[i:i + 1].to(self.grid.device)) for i in range(2)]
+        finally:
+            self.train(was)
+        worst = ((moved[0] - moved[1]).abs().max() / (1 + moved[0].abs().max())).reshape(1).float()
+        parallel.comm.all_reduce(worst, self.grid, parallel.AXES, op=torch.distributed.ReduceOp.MAX)
+        return worst.item() < 1e-4  # rounding moves nothing this much; a document that sees another, O(0.1)
+
     @torch.inference_mode()
     def token_scores(self, input_ids: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Teacher-forced (loss, greedy token) [b, S] of this rank's rows, as `token_losses` lays them out."""

@@ -141,6 +141,11 @@ def train(cfg: RunConfig, out_dir: str | Path, *, resume: bool = False, force: b
     parallel.tune_matmul(p.tune_matmul, p.tune_matmul_cache or out / "gemm_tuning.json")
 
     stream, plm = setup(cfg, grid)
+    if stream.document_attention and not plm.isolates_documents():  # before compiling: it runs tiny rows
+        raise ValueError(f"{type(plm.model).__name__} lets the documents packed in a row attend to each other (its "
+                         "attention mask ignores position ids), which data.document_attention forbids: set "
+                         "data.document_attention=false (attention across the row, as classic packing; evaluation "
+                         "then scores canaries in their in-row context too)")
     if cfg.model.init:
         with checkpoint.read_weights(cfg.model.init) as weights:
             plm.load_hf_state_dict(weights)

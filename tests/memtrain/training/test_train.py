@@ -29,7 +29,8 @@ from memtrain.training import (  # here, not in the ranks: forked, they find the
 )
 from memtrain.training.perf import datasheet_peak
 from parallel.forked import run_ranks
-from tests.memtrain._helpers import ENV, ROOT, checkpoint_files, cli, memtrain
+from tests.memtrain._helpers import ENV, ROOT, checkpoint_files, cli, memtrain, refused
+from tests.memtrain._models import tiny
 
 
 @pytest.fixture(scope="module")
@@ -259,3 +260,17 @@ def test_ctrl_c_names_the_checkpoint_a_resume_starts_from(tmp_path):
     with pytest.raises(KeyboardInterrupt, match="^--resume continues this run from its last checkpoint, step_000004"):
         with trainer._say_what_was_saved(tmp_path):
             raise KeyboardInterrupt
+
+
+def test_a_model_whose_packed_documents_see_each_other_is_refused_document_attention(recipe, tmp_path):
+    """OPT's attention mask ignores position ids: with data.document_attention (the default) a canary would be
+    trained in its row's context and evaluated alone, so training is refused with the fix, which then trains."""
+    config = tiny("opt", "meta").config
+    config.max_position_embeddings = 128  # the recipe's rows of 64
+    config.save_pretrained(tmp_path / "opt")  # a config alone: an architecture, from the seeded init
+    args = ["train", "--config", recipe, "--set", f"model.name='{tmp_path / 'opt'}'", "--set", "train.max_steps=1",
+            "--set", "eval.enabled=false"]
+    error = refused(cli(*args, "--out", tmp_path / "run"), "OPTForCausalLM lets the documents packed in a row")
+    assert "set data.document_attention=false" in error
+    r = cli(*args, "--out", tmp_path / "classic", "--set", "data.document_attention=false")
+    assert r.returncode == 0, r.stderr[-2000:]
