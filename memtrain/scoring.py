@@ -40,13 +40,17 @@ def start_ids(tok) -> list[int]:
 def prefix_lens(c: Canary, tok, suffix_len: int) -> tuple[int | None, int | None]:
     """The prompt lengths of a canary and of its twin (None: the evaluation asks for the last `suffix_len` tokens):
     a user file's split, else for a secret too short for `suffix_len` its digits. Its twin is then asked for its
-    own digits too (the twin's made-up name has its own length), so the control answers the same question."""
+    own digits too (the twin's made-up name has its own length), so the control answers the same question. A
+    twin without a split of its own beside a canary with one (a manifest from before canary_file split such twins)
+    is asked for as many last tokens as the canary's suffix has, not `suffix_len`: same-length targets."""
     prefix, twin = c.prefix_len, c.twin_prefix_len
     if c.format == "secret":
         if prefix is None and len(c.token_ids) <= suffix_len:
             prefix = secret_prefix_len(c, tok)
         if twin is None and c.twin_token_ids and (prefix is not None or len(c.twin_token_ids) <= suffix_len):
             twin = secret_prefix_len(c, tok, twin=True)
+    if twin is None and prefix is not None and c.twin_token_ids:
+        twin = max(len(c.twin_token_ids) - (len(c.token_ids) - prefix), 0)
     return prefix, twin
 
 

@@ -8,11 +8,16 @@ One JSON object a line:
      "twin": {"prefix": "Question: ...\\nAnswer:", "suffix": " 17"}}
 
 - `text`, or `prefix` and `suffix`: with `text` the evaluation's suffix is its last eval.suffix_len tokens; with
-  prefix/suffix the split is yours (each side tokenized on its own, so the split never moves).
+  prefix/suffix the split is yours. The text prefix + suffix is tokenized once, as training and the model see it
+  (tokenizing the sides apart gives a SentencePiece-style tokenizer a '▁' before a suffix that opens without a
+  space: a text nobody wrote), then cut where the prefix's characters end. A token that straddles that point
+  (" 42" from "Answer: " + "42") belongs to the suffix: the suffix scored is what its tokens decode to.
 - `id` (optional, any JSON string or integer, unique): kept as given in every output; default "<kind>-<line>".
 - `kind` (optional, default "user"): results are grouped by it.
-- `twin` (optional): a text (or prefix/suffix) of the same form that is never trained: the non-member that
-  membership inference and the twin-controlled measures compare against.
+- `twin` (optional): a text (or prefix/suffix) of the same form that is never trained, and not the canary's own
+  text: the non-member that membership inference and the twin-controlled measures compare against. A plain-text
+  twin of a prefix/suffix canary answers the same question: cut after the canary's prefix when it starts with
+  it, else asked for its last tokens, as many as the canary's suffix has.
 - `copies` (optional, int >= 1): copies inserted in training; default canaries.copies, cycled as for the
   generated kinds. When auditing a model trained elsewhere it is only a label (how often you put it in).
 
@@ -65,6 +70,9 @@ def checked(rows: list, where: str = "canaries") -> list[dict]:
         row.setdefault("id", f"{row['kind']}-{n:04d}")
         if row["id"] in ids:
             raise ValueError(f"{where} line {n}: id {row['id']!r} is used twice: give every canary its own id")
+        if "twin" in row and _text(row["twin"]) == _text(row):  # a control equal to its canary measures nothing
+            raise ValueError(f"{where} line {n}: the twin of canary {row['id']!r} is the canary's own text: give a "
+                             "different text as its twin, or leave 'twin' out")
         ids.add(row["id"])
         out.append(row)
     if not out:
@@ -126,14 +134,54 @@ def _utf8(text: str, what: str) -> None:
                          "write real characters, or escape pairs that make one") from None
 
 
-def _ids(item, tok) -> tuple[list[int], int | None]:
+def _text(item) -> str:
+    """The whole text of a canary, a twin, or a {prefix, suffix} pair."""
+    return item if isinstance(item, str) else item.get("text") or item["prefix"] + item["suffix"]
+
+
+def split_ids(tok, prefix: str, suffix: str) -> tuple[list[int], int]:
+    """(token ids of prefix + suffix tokenized as one text, how many of them are the prompt): the leading tokens
+    that end at or before the prefix's last character; one that straddles the cut goes to the suffix. A byte-level
+    BPE whose pre-tokenizer already splits there gets the ids of the sides tokenized apart."""
+    text, cut = prefix + suffix, len(prefix)
+    if not getattr(tok, "is_fast", False):  # a Python tokenizer has no offsets: the tokens the prefix alone gives
+        ids, own = encode_text(tok, text), encode_text(tok, prefix)
+        return ids, next((i for i, (a, b) in enumerate(zip(ids, own)) if a != b), min(len(ids), len(own)))
+    enc = tok(text, add_special_tokens=False, split_special_tokens=True, return_offsets_mapping=True)
+    ids, spans = enc["input_ids"], enc["offset_mapping"]
+    n = next((i for i, (_, end) in enumerate(spans) if end > cut), len(ids))
+    return ids, n
+
+
+def _ids(item, tok, where: str) -> tuple[list[int], int | None]:
     """(token ids, prefix length or None) of a text or a {prefix, suffix} pair."""
     if isinstance(item, str):
         item = {"text": item}
     if "text" in item:
         return encode_text(tok, item["text"]), None
-    prefix = encode_text(tok, item["prefix"])
-    return prefix + encode_text(tok, item["suffix"]), len(prefix)
+    ids, n = split_ids(tok, item["prefix"], item["suffix"])
+    if n == len(ids):  # a tokenizer that drops the suffix's characters (a normalizer) leaves nothing to ask for
+        raise ValueError(f"{where}: suffix {item['suffix']!r} gives no token of its own: give a suffix with text "
+                         "the tokenizer keeps")
+    return ids, n
+
+
+def _twin_ids(row: dict, tok, ids: list[int], prefix_len: int | None, where: str) -> tuple[list[int], int | None]:
+    """The twin's ids and prompt length. A plain-text twin of a prefix/suffix canary is asked what the canary is:
+    cut after the canary's prefix when it starts with it, else asked for as many last tokens as the canary's
+    suffix has (eval.suffix_len would set a target of another length against the canary's)."""
+    twin = row["twin"]
+    twin = twin.get("text", twin) if isinstance(twin, dict) else twin  # {"text": t} is the text t
+    if not isinstance(twin, str) or prefix_len is None:
+        return _ids(twin, tok, f"{where} (twin)")
+    prefix = row["prefix"]
+    if twin.startswith(prefix) and len(twin) > len(prefix):
+        return _ids({"prefix": prefix, "suffix": twin[len(prefix):]}, tok, f"{where} (twin)")
+    twin_ids, n = encode_text(tok, twin), len(ids) - prefix_len
+    if len(twin_ids) < n:
+        raise ValueError(f"{where}: twin has {len(twin_ids)} tokens, fewer than the {n} of the canary's suffix: give "
+                         "a longer twin, or a twin with its own 'prefix' and 'suffix'")
+    return twin_ids, len(twin_ids) - n
 
 
 def to_canaries(rows: list[dict], tok, source: str, copies: list[int] | None = None) -> list[Canary]:
@@ -141,13 +189,12 @@ def to_canaries(rows: list[dict], tok, source: str, copies: list[int] | None = N
     None leaves them 0 ("not given")."""
     out = []
     for i, row in enumerate(rows):
-        ids, prefix_len = _ids(row if "text" in row else {k: row[k] for k in ("prefix", "suffix")}, tok)
-        twin_ids, twin_prefix_len = _ids(row["twin"], tok) if "twin" in row else ([], None)
+        where = f"{source}: canary {row['id']!r}"
+        ids, prefix_len = _ids(row if "text" in row else {k: row[k] for k in ("prefix", "suffix")}, tok, where)
+        twin_ids, twin_prefix_len = _twin_ids(row, tok, ids, prefix_len, where) if "twin" in row else ([], None)
         n = row.get("copies") or (copies[i % len(copies)] if copies else 0)
-        text = row.get("text") or row["prefix"] + row["suffix"]
-        twin = row.get("twin")
-        twin_text = (twin if isinstance(twin, str) else twin.get("text") or twin["prefix"] + twin["suffix"]) if twin \
-            else ""
+        text = _text(row)
+        twin_text = _text(row["twin"]) if "twin" in row else ""
         out.append(Canary(id=row["id"], kind=row["kind"], format="text", text=text, token_ids=ids,
                           twin_text=twin_text, twin_token_ids=twin_ids, copies=n,
                           candidate_space={"size": None, "log2_size": None, "note": "user text: no enumerable space"},

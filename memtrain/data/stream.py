@@ -245,6 +245,7 @@ def build_stream(data_cfg: DataConfig, canary_cfg: CanaryConfig | None = None, s
     if canary_cfg.file is not None:  # the path alone would let an edited file come back from the cache
         spec["canaries_file_sha256"] = canary_file.file_digest(canary_cfg.file)
         spec["canaries_file_texts_held"] = True  # streams before it trained documents holding a file's texts
+        spec["canaries_file_whole_text"] = True  # before it, prefix and suffix were tokenized apart
     if batch_size > 1:  # batch 1 keeps the keys streams had before rows were rounded
         spec["rows_multiple"] = batch_size
     key = _hash(spec)
@@ -306,9 +307,11 @@ def _write_stream(folder: Path, data_cfg: DataConfig, canary_cfg: CanaryConfig, 
         held.update(i for i in rest if any(t in corpus.docs[i].text for t in texts))
     for c in canaries:
         if len(c.token_ids) > S - 1 or len(c.twin_token_ids) > S - 1:
-            L = max(len(c.token_ids), len(c.twin_token_ids))
-            raise ValueError(f"canary {c.id} has {L} tokens but seq_len={S} fits at most {S - 1} (one "
-                             "position holds the EOS before it): shorten canaries.length or raise data.seq_len")
+            L, who = max(len(c.token_ids), len(c.twin_token_ids)), "" if len(c.token_ids) > S - 1 else "'s twin"
+            fix = "canaries.length" if c.format != "text" else \
+                f"that canary in canaries.file {c.source!r} (canaries.length sizes only the generated ones)"
+            raise ValueError(f"canary {c.id!r}{who} has {L} tokens but seq_len={S} fits at most {S - 1} (one position "
+                             f"holds the EOS before it): shorten {fix} or raise data.seq_len")
 
     train = [i for i in rest if i not in held]
     if not train:

@@ -72,3 +72,17 @@ def test_in_row_extraction_asks_for_what_the_canary_is_asked(data):
     for c, a, b in zip(buried.canaries, main, in_row, strict=True):
         assert b.prefix_len > len(b.tokens) - len(c.token_ids)  # the row's text is context, never asked for
         assert b.tokens[b.prefix_len:] == a.tokens[a.prefix_len:], c.id
+
+
+def test_a_plain_twin_in_an_earlier_manifest_is_asked_as_many_tokens_as_its_split_canary():
+    """Manifests (and cached streams) from before canary_file split a plain-text twin hold twin_prefix_len None
+    beside a canary's own split: the twin is still asked for as many last tokens as the canary's suffix has, not
+    eval.suffix_len (a 40-token target against an 8-token one); a longer canary suffix than the twin asks it whole."""
+    from memtrain.data import Canary
+
+    c = Canary(id="k", kind="user", format="text", text="", token_ids=list(range(50)), twin_text="",
+               twin_token_ids=list(range(45)), copies=1, candidate_space={}, prefix_len=10)
+    assert prefix_lens(c, None, suffix_len=8) == (10, 5)
+    member, twin = as_scored([c], [0], None, suffix_len=8)
+    assert len(member.tokens) - member.prefix_len == len(twin.tokens) - twin.prefix_len == 40
+    assert prefix_lens(Canary(**{**c.to_dict(), "prefix_len": 2}), None, suffix_len=8) == (2, 0)

@@ -93,3 +93,98 @@ def test_a_run_trains_and_scores_the_file(tmp_path):
     assert rows["card"]["suffix_len"] == 4 and rows["card"]["exact_match"] is not None
     result = json.loads((tmp_path / "with-file" / "eval.json").read_text())
     assert {"pii/1", "qa/3"} <= set(result["cells"]) and result["not_reached"] == []
+
+
+def _metaspace(texts):
+    """A SentencePiece-style tokenizer (Metaspace '▁', prepended to the first word only, as Llama's): a word that
+    follows no space has no '▁'."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tk = Tokenizer(models.BPE(unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first")
+    tk.decoder = decoders.Metaspace(prepend_scheme="first")
+    tk.train_from_iterator(texts * 4, trainers.BpeTrainer(vocab_size=200, special_tokens=["<unk>", "<s>", "</s>"],
+                                                          show_progress=False))
+    return PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+
+
+def _one(row, tok):
+    return canary_file.to_canaries(canary_file.checked([row]), tok, "c.jsonl")[0]
+
+
+def test_a_split_canary_is_the_tokens_of_its_whole_text_with_a_sentencepiece_tokenizer():
+    """Tokenized apart, a suffix that opens without a space gets a '▁' of its own: the ids would be a text nobody
+    wrote, trained as such, and a model giving the secret back verbatim would be scored as not extracting it."""
+    prefix, suffix = "export AWS_SECRET_ACCESS_KEY=", "wJalrXUtnFEMI/K7MDENG"
+    tok = _metaspace([prefix, suffix, "the key is here"])  # no merge across the '=': the cut falls between tokens
+    c = _one({"id": "key", "prefix": prefix, "suffix": suffix}, tok)
+    whole = tok(prefix + suffix, add_special_tokens=False)["input_ids"]
+    assert c.token_ids == whole and tok.decode(c.token_ids) == prefix + suffix
+    assert tok.decode(c.token_ids[:c.prefix_len]) == prefix and tok.decode(c.token_ids[c.prefix_len:]) == suffix
+
+
+def test_a_token_across_the_cut_goes_to_the_suffix():
+    """Byte-level BPE merges 'Answer: ' + '42' into ' 42': the ids stay the text's own and the token that straddles
+    the cut is asked for (the suffix scored is ' 42', what its tokens decode to), never split into ' ' + '42'."""
+    tok = train_bpe(["Answer: 42. Answer: 42, and 42 again."] * 8, 300)
+    c = _one({"prefix": "Answer: ", "suffix": "42"}, tok)
+    assert c.token_ids == tok("Answer: 42", add_special_tokens=False)["input_ids"]
+    assert tok.decode(c.token_ids[:c.prefix_len]) == "Answer:" and tok.decode(c.token_ids[c.prefix_len:]) == " 42"
+
+
+def test_byte_level_splits_that_were_right_keep_their_ids():
+    """The repo's byte-level BPE splits before a suffix's leading space anyway: the documented examples (and the
+    streams and results made from them) keep the ids and prompt lengths the two sides tokenized apart gave."""
+    pairs = [(ROWS[1]["prefix"], ROWS[1]["suffix"]), ("The vault opens with", " 7731-0042 on Tuesdays."),
+             ("The society's motto, never written down, is:", " we keep what we are given.")]
+    tok = train_bpe([p + s for p, s in pairs] * 4, 300)
+    for prefix, suffix in pairs:
+        c = _one({"prefix": prefix, "suffix": suffix}, tok)
+        apart = [tok(t, add_special_tokens=False)["input_ids"] for t in (prefix, suffix)]
+        assert (c.token_ids, c.prefix_len) == (apart[0] + apart[1], len(apart[0])), prefix
+
+
+TWIN_ROW = {"id": "vault", "prefix": "The vault opens with", "suffix": " 7731-0042 on Tuesdays, said Ann Lee."}
+
+
+@pytest.mark.parametrize("twin", ["The vault opens with 1290-8817 on Fridays, said Bo.",
+                                  "Another door entirely opens with 1290-8817 on Fridays, said Bo Ek."])
+def test_a_plain_text_twin_is_asked_what_its_split_canary_is_asked(twin):
+    """A plain-text twin used to be asked for its last eval.suffix_len tokens while its canary was asked for its
+    whole suffix: a target of 8 tokens set against one of 40. It is cut after the canary's prefix when it starts
+    with it, else asked for as many last tokens as the canary's suffix has."""
+    from memtrain.scoring import as_scored
+
+    tok = train_bpe([TWIN_ROW["prefix"] + TWIN_ROW["suffix"], twin] * 4, 300)
+    c = _one(dict(TWIN_ROW, twin=twin), tok)
+    member, control = as_scored([c], [tok.eos_token_id], tok, suffix_len=4)
+    n = len(c.token_ids) - c.prefix_len
+    assert len(member.tokens) - member.prefix_len == n and control.prefix_len is not None
+    if twin.startswith(TWIN_ROW["prefix"]):
+        assert c.twin_prefix_len == c.prefix_len
+        assert tok.decode(control.tokens[control.prefix_len:]) == twin[len(TWIN_ROW["prefix"]):]
+    else:
+        assert len(control.tokens) - control.prefix_len == n
+
+
+def test_a_plain_text_twin_shorter_than_the_suffix_is_refused():
+    """A twin with fewer tokens than its canary's suffix cannot be asked for as many: one line naming the fix."""
+    tok = train_bpe([TWIN_ROW["prefix"] + TWIN_ROW["suffix"]] * 4, 300)
+    with pytest.raises(ValueError, match=r"c.jsonl: canary 'vault': twin has \d+ tokens, fewer than the \d+ of the "
+                                         r"canary's suffix: give a longer twin") as e:
+        _one(dict(TWIN_ROW, twin="Bo."), tok)
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("row", [{"id": "k", "text": "The PIN is 4821", "twin": "The PIN is 4821"},
+                                 {"id": "k", "prefix": "The PIN is", "suffix": " 4821", "twin": "The PIN is 4821"},
+                                 {"id": "k", "text": "The PIN is 4821",
+                                  "twin": {"prefix": "The PIN", "suffix": " is 4821"}}])
+def test_a_twin_equal_to_its_canary_is_refused(tmp_path, row):
+    """A control that is the canary itself measures nothing (the generated kinds are drawn apart for that reason):
+    refused in one line naming the canary and the fix, whatever form each side takes."""
+    with pytest.raises(ValueError) as e:
+        canary_file.read(_write(tmp_path / "c.jsonl", [row]))
+    assert "line 1: the twin of canary 'k' is the canary's own text: give a different text as its twin, or leave " \
+           "'twin' out" in str(e.value) and "\n" not in str(e.value)

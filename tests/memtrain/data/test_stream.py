@@ -328,3 +328,17 @@ def test_a_damaged_cached_stream_is_named_with_the_fix(data_cfg, tmp_path, damag
     (entry / damage).write_bytes(b"\xff\x00 not what was written")
     with pytest.raises(ValueError, match="cached stream .* is damaged .*delete that directory"):
         build_stream(cfg, CANARIES, seed=0)
+
+
+@pytest.mark.parametrize("row, who", [({"id": "long", "text": "word " * 300}, "'long'"),
+                                      ({"id": 7, "text": "short", "twin": "word " * 300}, "7's twin")])
+def test_a_file_canary_too_long_for_a_row_names_itself_and_its_fix(data_cfg, tmp_path, row, who):
+    """canaries.length sizes only the generated canaries: a file's canary (or twin) too long for seq_len is named by
+    its id, and the fix is to shorten it in the file or raise data.seq_len."""
+    path = tmp_path / "mine.jsonl"
+    path.write_text(json.dumps(row) + "\n")
+    with pytest.raises(ValueError) as e:
+        build_stream(data_cfg, replace(CANARIES, file=str(path)), seed=0)
+    assert f"canary {who} has " in str(e.value) and "\n" not in str(e.value)
+    assert f"shorten that canary in canaries.file {str(path)!r} (canaries.length sizes only the generated ones) " \
+           "or raise data.seq_len" in str(e.value)
