@@ -26,6 +26,7 @@ from memtrain.evaluate import eval_grid, run_model
 from memtrain.export import resolve, run_tokenizer
 from memtrain.files import write_atomic
 from memtrain.hf import GridModel, parallelize
+from memtrain.model_copy import run_model_name
 from memtrain.models import allow_remote_code, build_model
 from memtrain.progress import note, seconds
 from memtrain.run_files import CONFIG, EVAL, EVAL_CANARIES, check_output
@@ -34,7 +35,8 @@ from memtrain.training import checkpoint
 
 
 def _model_tokenizer(model: str, trust_remote_code: bool):
-    """(tokenizer, run config or None, checkpoint or None) of MODEL: a memtrain run/checkpoint or an HF directory."""
+    """(tokenizer, run config, run directory, checkpoint; the last three None for an HF directory) of MODEL: a
+    memtrain run/checkpoint or an HF directory."""
     path = Path(model)
     if not path.is_dir():
         raise FileNotFoundError(f"--model {model!r} is not a directory: name a transformers model directory or a "
@@ -43,7 +45,7 @@ def _model_tokenizer(model: str, trust_remote_code: bool):
         run, ckpt = resolve(path, then="evaluate")
         cfg = load_config(run / CONFIG)
         allow_remote_code(cfg, trust_remote_code, str(run / CONFIG))
-        return run_tokenizer(run, cfg), cfg, ckpt
+        return run_tokenizer(run, cfg), cfg, run, ckpt
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"--model {model!r} has no config.json: name a directory written by "
                                 "save_pretrained (or `memtrain export`), or a memtrain run")
@@ -55,7 +57,7 @@ def _model_tokenizer(model: str, trust_remote_code: bool):
     except Exception as e:  # noqa: BLE001 - transformers raises many kinds for a missing or foreign tokenizer
         raise ValueError(f"--model {model!r}: its tokenizer does not load ({type(e).__name__}: "
                          f"{(str(e).splitlines() or [''])[0][:160]}): save the tokenizer beside the model") from None
-    return tok, None, None
+    return tok, None, None, None
 
 
 def _config(cfg: RunConfig | None, overrides: list[str]) -> RunConfig:
@@ -71,21 +73,21 @@ def _check_vocab(tok, config, model: str) -> None:
                          f"{config.vocab_size:,} embedding rows: save the tokenizer the model was trained with")
 
 
-def _load_one_process(model: str, cfg: RunConfig | None, ckpt, tok, trust_remote_code: bool):
+def _load_one_process(model: str, cfg: RunConfig | None, run, ckpt, tok, trust_remote_code: bool):
     if cfg is not None:
         with checkpoint.read_weights(ckpt) as src:
             weights = {k: src.read(k) for k in src.keys()}
-        return run_model(cfg, len(tok), weights)
+        return run_model(cfg, len(tok), weights, run)
     hf = build_model(model, device="cpu", trust_remote_code=trust_remote_code)
     _check_vocab(tok, hf.config, model)
     return hf
 
 
-def _load_on_grid(model: str, cfg: RunConfig, run_cfg: RunConfig | None, ckpt, tok, trust_remote_code: bool):
+def _load_on_grid(model: str, cfg: RunConfig, run_cfg: RunConfig | None, run, ckpt, tok, trust_remote_code: bool):
     """The model sharded over a grid of the launched processes, each reading only its slices of the weights."""
     grid = eval_grid(cfg)
-    if run_cfg is not None:
-        hf = build_model(run_cfg.model.name, vocab_size=len(tok), device="meta",
+    if run_cfg is not None:  # from the run's copy of its model directory, as it trained (model_copy.run_model_name)
+        hf = build_model(run_model_name(run, run_cfg.model.name), vocab_size=len(tok), device="meta",
                          trust_remote_code=trust_remote_code)
         plm = parallelize(hf, grid, mode=cfg.parallel.mode, weights="seed")
         with checkpoint.read_weights(ckpt) as src:
@@ -106,7 +108,7 @@ def audit(model: str, canaries: str, out: str | Path, overrides: list[str] | Non
         raise FileExistsError(f"--out {str(out)!r} holds an earlier evaluation ({EVAL}): name a new directory")
     if Path(model).is_dir():  # a directory even where a built-in model has its name (./gpt2): build_model takes names
         model = str(Path(model).resolve())
-    tok, run_cfg, ckpt = _model_tokenizer(model, trust_remote_code)
+    tok, run_cfg, run, ckpt = _model_tokenizer(model, trust_remote_code)
     cfg = _config(run_cfg, overrides or [])
     manifest = canary_file.to_canaries(canary_file.read(canaries), tok, str(canaries))
     start = start_ids(tok)
@@ -115,9 +117,9 @@ def audit(model: str, canaries: str, out: str | Path, overrides: list[str] | Non
     grid = None
     try:
         if parallel.launch_world_size() > 1:
-            grid, lm = _load_on_grid(model, cfg, run_cfg, ckpt, tok, trust_remote_code)
+            grid, lm = _load_on_grid(model, cfg, run_cfg, run, ckpt, tok, trust_remote_code)
         else:
-            lm = _load_one_process(model, run_cfg, ckpt, tok, trust_remote_code)
+            lm = _load_one_process(model, run_cfg, run, ckpt, tok, trust_remote_code)
         result = evaluate(lm, tok, manifest, suffix_len=cfg.eval.suffix_len, batch_size=cfg.eval.batch_size,
                           pythia=cfg.eval.pythia, start=start)
     finally:

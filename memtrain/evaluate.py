@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import math
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -39,6 +40,7 @@ from memtrain.data.canaries import render_secret
 from memtrain.export import resolve
 from memtrain.files import read_json, write_atomic
 from memtrain.hf import GridModel
+from memtrain.model_copy import run_model_name
 from memtrain.models import allow_remote_code, build_model
 from memtrain.progress import note, seconds, stage
 from memtrain.run_files import CHECKPOINTS, CONFIG, EVAL, EVAL_CANARIES, MANIFEST, RUN, check_output
@@ -184,9 +186,10 @@ def evaluate(model, stream, cfg, run_dir: Path, steps: int, write: bool = True,
     return result | {"rows": rows}
 
 
-def run_model(cfg: RunConfig, vocab_size: int, state_dict: dict):
-    """A run's plain HF model on one process, with `state_dict`'s weights (refused when they do not fit)."""
-    model = build_model(cfg.model.name, vocab_size=vocab_size, device="cpu",
+def run_model(cfg: RunConfig, vocab_size: int, state_dict: dict, run_dir: Path):
+    """Run `run_dir`'s plain HF model on one process, with `state_dict`'s weights (refused when they do not fit);
+    built from the run's copy of its model directory, as it trained (model_copy.run_model_name)."""
+    model = build_model(run_model_name(run_dir, cfg.model.name), vocab_size=vocab_size, device="cpu",
                         trust_remote_code=cfg.model.trust_remote_code)
     missing, unexpected = model.load_state_dict(state_dict, strict=False)
     tied = set(getattr(model, "_tied_weights_keys", None) or [])
@@ -204,7 +207,7 @@ def evaluate_after(cfg: RunConfig, result: TrainResult) -> dict | None:
         scores = evaluate(GridModel(result.model), result.stream, cfg, result.run_dir, result.steps, write=rank0,
                           val_loss=result.final_val_loss)
     else:
-        model = run_model(cfg, result.stream.vocab_size, result.model.full_state_dict())
+        model = run_model(cfg, result.stream.vocab_size, result.model.full_state_dict(), result.run_dir)
         scores = evaluate(model, result.stream, cfg, result.run_dir, result.steps, val_loss=result.final_val_loss)
     if not rank0:
         return None
@@ -255,7 +258,8 @@ def evaluate_run(run_dir: Path, checkpoint_path: str | None = None, trust_remote
     if parallel.launch_world_size() > 1:
         grid = eval_grid(cfg)
         try:
-            stream, plm = setup(cfg, grid)
+            built = run_model_name(run_dir, cfg.model.name)  # the model as it trained: its copy of model.name
+            stream, plm = setup(replace(cfg, model=replace(cfg.model, name=built)), grid)
             _check_stream(run_dir, info, stream)
             with checkpoint.read_weights(source) as src:
                 plm.load_hf_state_dict(src)
@@ -267,7 +271,7 @@ def evaluate_run(run_dir: Path, checkpoint_path: str | None = None, trust_remote
     _check_stream(run_dir, info, stream)
     with checkpoint.read_weights(source) as src:
         weights = {k: src.read(k) for k in src.keys()}  # one process evaluates the whole model
-    model = run_model(cfg, stream.vocab_size, weights)
+    model = run_model(cfg, stream.vocab_size, weights, run_dir)
     return evaluate(model, stream, cfg, dest, steps)
 
 

@@ -17,8 +17,9 @@ What: RUN_OR_CHECKPOINT is a run directory of `memtrain train` (its newest compl
 its checkpoint directories. DIR gets config.json (the model config as the trainer built it),
 model.safetensors (the checkpoint's full tensors under HF names, read and written with safetensors only; written
 one tensor group at a time, in HF's model-0000i-of-0000n files with an index when over 5 GiB),
-generation_config.json (greedy) and the run's tokenizer. It is written into a temporary sibling and
-renamed into place, so DIR never holds a half-written model.
+generation_config.json (greedy), the run's tokenizer and, for a model with its own code (--trust-remote-code),
+every code file its auto_map names (it then loads with trust_remote_code=True). It is written into a temporary
+sibling and renamed into place, so DIR never holds a half-written model.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from memtrain.config import load as load_config
 from memtrain.data.tokenizer import vocab_size
 from memtrain.files import atomic_dir, read_json
 from memtrain.hf.parallelize import hf_keys
+from memtrain.model_copy import run_model_name, save_code
 from memtrain.models import allow_remote_code, build_model
 from memtrain.run_files import CONFIG, EVAL, RUN, TOKENIZER, check_output
 from memtrain.training.checkpoint import latest, model_source
@@ -55,10 +57,10 @@ def export(source: str | os.PathLike, out: str | os.PathLike, max_shard_bytes: i
     cfg = load_config(run / CONFIG)
     allow_remote_code(cfg, trust_remote_code, str(run / CONFIG))
     tok = run_tokenizer(run, cfg)
-    # The model the trainer built (named config at the tokenizer's vocabulary, or the directory's config), on
-    # meta: only its config and its state-dict names and shapes are needed.
-    model = build_model(cfg.model.name, vocab_size=vocab_size(tok), device="meta",
-                        trust_remote_code=cfg.model.trust_remote_code)
+    # The model the trainer built (named config at the tokenizer's vocabulary, or the directory's config as the
+    # run kept it), on meta: only its config and its state-dict names and shapes are needed.
+    built = run_model_name(run, cfg.model.name)
+    model = build_model(built, vocab_size=vocab_size(tok), device="meta", trust_remote_code=cfg.model.trust_remote_code)
     src, keys = _open_checked(ckpt, model, cfg.model.name)
 
     config = model.config
@@ -71,6 +73,8 @@ def export(source: str | os.PathLike, out: str | os.PathLike, max_shard_bytes: i
     with src, atomic_dir(out) as tmp:
         config.dtype = src.dtype(keys[0])  # from_pretrained loads the weights as they are
         _write_weights(src, keys, tmp, max_shard_bytes)
+        # A model with its own code loads only beside every file its auto_map names: those the run trained with
+        save_code(built, config, tmp)
         config.save_pretrained(tmp)
         # safetensors creates its files owner-only (0600): give them the mode of the files beside them.
         for f in tmp.glob("*.safetensors"):

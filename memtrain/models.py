@@ -38,7 +38,9 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError
 
+from memtrain.files import read_json
 from memtrain.progress import note
+from memtrain.run_files import MODEL_DIR, MODEL_SOURCE
 
 LADDER_VOCAB = 4096
 _WEIGHT_FILES = ("*.safetensors", "*.safetensors.index.json", "*.bin", "*.bin.index.json", "*.pt", "*.pth", "*.h5",
@@ -221,16 +223,18 @@ def build_model(name_or_path: str, vocab_size: int | None = None, *, device=None
                          "code") from None
     # Only a local directory can be config-only: a hub snapshot fetches *.safetensors alone, so a repository
     # with .bin weights would look weightless and silently train from scratch.
-    weights = not os.path.isdir(name_or_path) or _holds_weights(path)
+    held = _kept_weights(path)
+    weights = held if held is not None else (not os.path.isdir(name_or_path) or _holds_weights(path))
     if vocab_size is not None and not weights:  # an architecture: its table is sized to the tokenizer that drives it
         config.vocab_size = int(vocab_size)
         for k in ("bos_token_id", "eos_token_id", "pad_token_id"):
             setattr(config, k, eos_token_id if k == "eos_token_id" else None)
     elif vocab_size is not None:
         _check_tokenizer_fits(config, vocab_size, eos_token_id, name_or_path)
-    if not weights or torch.device(device or "cpu").type == "meta":
+    # A run's copy of its directory holds no weights (its checkpoints do): the architecture, sized as it was
+    if not weights or held is not None or torch.device(device or "cpu").type == "meta":
         model = _from_config(config, device, dtype, seed, trust_remote_code)
-        if weights:
+        if weights and held is None:
             model.memtrain_weights = str(path)  # parallelize loads them, slice by slice, into the shards
         return model
     try:  # the default dtype, not transformers' "auto" (a bf16 checkpoint in bf16): the dtype a grid builds it in
@@ -249,6 +253,16 @@ def build_model(name_or_path: str, vocab_size: int | None = None, *, device=None
         raise ValueError(f"model {name_or_path!r}: its weights do not fit its config.json ({'; '.join(map(str, gaps))}"
                          "): restore the files, or save the model again with save_pretrained")
     return model.to(device) if device is not None else model
+
+
+def _kept_weights(path: Path) -> bool | None:
+    """For a run's copy of its model directory (run_files.MODEL_DIR): whether that directory held weights, which
+    decides the vocabulary as it did in training (a checkpoint keeps its table, an architecture is sized to the
+    tokenizer). None for any other directory."""
+    if path.name != MODEL_DIR or not (path / MODEL_SOURCE).is_file():
+        return None
+    source = read_json(path / MODEL_SOURCE, "model copy file", "restore the run directory from a copy")
+    return bool(source.get("weights"))
 
 
 UNUSED_ROWS = 128

@@ -12,6 +12,9 @@ results reader all use (importable without torch, so `memtrain plot` starts fast
       eval.json            the final evaluation's aggregates
       eval_canaries.jsonl  one row per canary and twin
       tokenizer/           the run's tokenizer, HF format
+      model_dir/           trained from a model directory (model.name=DIR): DIR's config.json and the code files its
+                           auto_map names, copied at the start of training, so that export and eval build the model
+                           the run trained even once DIR is edited or gone; source.json says whether DIR held weights
       checkpoints/         sharded safetensors checkpoints; `latest` names the newest complete one
       wandb/, wandb-run.json   the W&B mirror and the id that resumes it
 
@@ -30,13 +33,18 @@ MANIFEST = "canaries.jsonl"
 EVAL = "eval.json"
 EVAL_CANARIES = "eval_canaries.jsonl"
 TOKENIZER = "tokenizer"
+MODEL_DIR = "model_dir"
+MODEL_SOURCE = "source.json"
+"""In model_dir/: the model.name it was copied from, and whether that directory held weights (a checkpoint's
+config.json keeps its own vocabulary; an architecture's is sized to the tokenizer)."""
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"
 """In checkpoints/: a file naming the newest complete checkpoint."""
 WANDB = "wandb"
 WANDB_RUN = "wandb-run.json"
 
-OUTPUTS = (METRICS, PASSES, RUN, MANIFEST, EVAL, EVAL_CANARIES, CHECKPOINTS, TOKENIZER, WANDB, WANDB_RUN)
+OUTPUTS = (METRICS, PASSES, RUN, MANIFEST, EVAL, EVAL_CANARIES, CHECKPOINTS, TOKENIZER, MODEL_DIR, WANDB,
+           WANDB_RUN)
 """What a run writes (its config.toml aside: a recipe may sit in the directory it trains into)."""
 LOCK = ".lock"
 """The lock a trainer holds while it writes the directory; whatever else clears the directory takes it first."""

@@ -16,7 +16,7 @@ import resource
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import NamedTuple
 
@@ -30,6 +30,7 @@ from memtrain.data import TrainStream, build_stream
 from memtrain.files import append_jsonl, atomic_dir, read_jsonl, write_atomic
 from memtrain.hf import ParallelLM, parallelize
 from memtrain.losses import keep_mask
+from memtrain.model_copy import keep_model_dir, run_model_name
 from memtrain.models import build_model
 from memtrain.run_files import CONFIG, METRICS, PASSES, RUN, TOKENIZER
 from memtrain.training import checkpoint, perf, run_dir
@@ -140,7 +141,8 @@ def train(cfg: RunConfig, out_dir: str | Path, *, resume: bool = False, force: b
     torch.manual_seed(t.seed)
     parallel.tune_matmul(p.tune_matmul, p.tune_matmul_cache or out / "gemm_tuning.json")
 
-    stream, plm = setup(cfg, grid)
+    built = run_model_name(out, cfg.model.name) if resume else cfg.model.name  # model_copy: as it trained
+    stream, plm = setup(replace(cfg, model=replace(cfg.model, name=built)), grid)
     if stream.document_attention and not plm.isolates_documents():  # before compiling: it runs tiny rows
         raise ValueError(f"{type(plm.model).__name__} lets the documents packed in a row attend to each other (its "
                          "attention mask ignores position ids), which data.document_attention forbids: set "
@@ -210,6 +212,8 @@ def train(cfg: RunConfig, out_dir: str | Path, *, resume: bool = False, force: b
             "config": cfg.to_dict()}))  # what a resume checks config.toml against (run_dir.check_resume)
         with atomic_dir(out / TOKENIZER) as tmp:  # `memtrain export` then needs neither cache nor corpus
             stream.tokenizer.save_pretrained(tmp)
+        if built == cfg.model.name:  # a resume builds from the copy it made (a run from before copies: now)
+            keep_model_dir(cfg.model.name, out)  # export, eval and resume build from it: DIR may change or go
 
     last: dict = {}
     rates: list[float] = []

@@ -1,6 +1,9 @@
 """The model ladder: names, real shapes (exact published parameter counts), building, attention, errors."""
 
+import json
 import os
+import shutil
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -8,6 +11,7 @@ from transformers import AutoConfig
 
 import parallel
 from memtrain.hf import parallelize
+from memtrain.model_copy import keep_model_dir, run_model_name, save_code
 from memtrain.models import LADDER_VOCAB, build_model, get_config, list_models, param_count
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -187,3 +191,57 @@ def test_unknown_names_and_offline_hub(monkeypatch):
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     with pytest.raises(OSError, match="'EleutherAI/pythia-70m' is not a named model nor a local directory.*offline"):
         build_model("EleutherAI/pythia-70m")
+
+
+def test_a_runs_copy_of_its_model_directory_holds_every_code_file_auto_map_names(tmp_path):
+    """The copy a run keeps (run_files.MODEL_DIR) and an export hold the Python files that config.json's auto_map
+    names for every class (config, model, tokenizer), in the 'module.Class' and 'repo--module.Class' forms, those
+    of tokenizer_config.json's auto_map, and what they import relatively; a 'repo--' reference to a copied file
+    is made local, so the copy loads its own code offline. Files are only copied, never imported, and only from
+    beside config.json (a crafted reference never reaches a file outside the directory)."""
+    src = tmp_path / "custom"
+    src.mkdir()
+    auto_map = {"AutoConfig": "cfg.MyConfig", "AutoModelForCausalLM": "someone/repo--mod.MyModel",
+                "AutoTokenizer": ["tok.MyTokenizer", None], "AutoProcessor": "../outside.Evil"}
+    (src / "config.json").write_text(json.dumps({"model_type": "myllama", "auto_map": auto_map}))
+    (src / "tokenizer_config.json").write_text(json.dumps({"auto_map": {"AutoTokenizer": [None, "tok2.Fast"]}}))
+    for name, text in {"cfg.py": "", "mod.py": "from .helpers import f\n", "helpers.py": "", "tok.py": "",
+                       "tok2.py": "", "unrelated.py": "", "model.safetensors": ""}.items():
+        (src / name).write_text(text)
+    (tmp_path / "outside.py").write_text("")
+    code = {"cfg.py", "mod.py", "helpers.py", "tok.py", "tok2.py"}
+    local = dict(auto_map, AutoModelForCausalLM="mod.MyModel")
+
+    keep_model_dir(str(src), tmp_path / "run")
+    kept = tmp_path / "run" / "model_dir"
+    assert set(os.listdir(kept)) == code | {"config.json", "source.json"}
+    assert json.loads((kept / "config.json").read_text())["auto_map"] == local
+    assert json.loads((kept / "source.json").read_text())["weights"]  # model.safetensors: a checkpoint's config
+    config = SimpleNamespace(auto_map=dict(auto_map))  # what export saves
+    (tmp_path / "export").mkdir()
+    save_code(str(src), config, tmp_path / "export")
+    assert set(os.listdir(tmp_path / "export")) == code and config.auto_map == local
+    keep_model_dir("ladder-1m", tmp_path / "named")  # a named model: nothing to keep
+    assert not (tmp_path / "named").exists()
+
+
+def test_a_run_builds_from_its_copy_as_it_trained_from_the_directory(tmp_path):
+    """A checkpoint's copy keeps the checkpoint's table (the tokenizer may have up to UNUSED_ROWS fewer tokens) and
+    builds with no weights of its own (the run's checkpoint holds them); an architecture's copy is sized to the
+    tokenizer. A run without a copy builds from model.name, and its missing directory is named as such."""
+    build_model("ladder-1m", 4096, num_hidden_layers=1).save_pretrained(tmp_path / "ckpt")
+    build_model("ladder-1m", 4096, num_hidden_layers=1).config.save_pretrained(tmp_path / "arch")
+    for name in ("ckpt", "arch"):
+        keep_model_dir(str(tmp_path / name), tmp_path / f"run-{name}")
+        shutil.rmtree(tmp_path / name)
+    ckpt = run_model_name(tmp_path / "run-ckpt", str(tmp_path / "ckpt"))
+    assert ckpt == str(tmp_path / "run-ckpt" / "model_dir")
+    meta = build_model(ckpt, vocab_size=4096 - 27, device="meta")
+    assert meta.config.vocab_size == 4096 and not hasattr(meta, "memtrain_weights")
+    assert build_model(ckpt, vocab_size=4096 - 27).config.vocab_size == 4096  # no weights to load: the architecture
+    arch = build_model(run_model_name(tmp_path / "run-arch", str(tmp_path / "arch")), vocab_size=512, device="meta")
+    assert arch.config.vocab_size == 512
+    assert run_model_name(tmp_path / "old", "ladder-1m") == "ladder-1m"
+    with pytest.raises(FileNotFoundError, match=f"the run's model directory '{tmp_path}/gone' \\(model.name\\) no "
+                                                "longer exists.*restore the directory"):
+        run_model_name(tmp_path / "old", str(tmp_path / "gone"))

@@ -18,6 +18,8 @@ Seeded initializations are compared bitwise too: the same (seed, config) draws t
 import json
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -25,7 +27,7 @@ import torch
 
 from memtrain.training.checkpoint import model_source
 from parallel.forked import run_ranks
-from tests.memtrain._helpers import cli, memtrain, stdlib_corpus, write_recipe
+from tests.memtrain._helpers import ENV, ROOT, cli, memtrain, stdlib_corpus, write_recipe
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 MODEL = "width-64"
@@ -207,3 +209,61 @@ def test_config_only_directory_trains_from_the_seeded_init(recipe, run, tmp_path
     from_dir, named = run_ranks(1, _initial_weights, recipe, [str(config_dir), MODEL])[0]
     assert from_dir.keys() == named.keys()
     assert all(torch.equal(from_dir[k], named[k]) for k in named)
+
+
+_CFG = "from transformers import LlamaConfig\n\n\nclass MyConfig(LlamaConfig):\n    model_type = 'myllama'\n"
+_MOD = ("from transformers import LlamaForCausalLM\n\nfrom .cfg import MyConfig\n\n\n"
+        "class MyModel(LlamaForCausalLM):\n    config_class = MyConfig\n")
+_CHECK = """
+import json, sys
+from pathlib import Path
+import torch
+from transformers import AutoModelForCausalLM
+from memtrain.config import load
+from memtrain.evaluate import run_model
+from memtrain.export import run_tokenizer
+from memtrain.training.checkpoint import latest, read_weights
+export, run = sys.argv[1], Path(sys.argv[2])
+model = AutoModelForCausalLM.from_pretrained(export, trust_remote_code=True, local_files_only=True).eval()
+cfg = load(run / "config.toml")
+tok = run_tokenizer(run, cfg)
+with read_weights(latest(run)) as src:
+    trained = run_model(cfg, len(tok), {k: src.read(k) for k in src.keys()}, run).eval()
+context = torch.tensor([tok("def main():\\n    return")["input_ids"]])
+kw = dict(attention_mask=torch.ones_like(context), max_new_tokens=8, do_sample=False, min_new_tokens=8)
+same = [torch.equal(model.generate(context, **kw), trained.generate(context, **kw))]
+same += [torch.equal(v, trained.state_dict()[k]) for k, v in model.state_dict().items()]
+print(json.dumps({"class": type(model).__name__, "same": all(same)}))
+"""
+
+
+def test_an_export_of_a_model_with_its_own_code_loads_and_generates_as_the_run(recipe, tmp_path):
+    """A --trust-remote-code model's export holds every code file its config.json's auto_map names, so it loads
+    with transformers (trust_remote_code=True) as the directory's own class and generates what the run's model
+    generates. Before, it held cfg.py (config.save_pretrained copies the config class's file) but not mod.py:
+    from_pretrained failed with "does not appear to have a file named mod.py". In new processes, with
+    transformers' module cache kept here."""
+    from memtrain.models import get_config
+
+    custom = tmp_path / "custom"  # an architecture (config only), with its own config and model classes
+    custom.mkdir()
+    (custom / "cfg.py").write_text(_CFG)
+    (custom / "mod.py").write_text(_MOD)
+    config = dict(get_config(MODEL).to_dict(), model_type="myllama",
+                  auto_map={"AutoConfig": "cfg.MyConfig", "AutoModelForCausalLM": "mod.MyModel"})
+    (custom / "config.json").write_text(json.dumps(config))
+    env = dict(ENV, HF_HOME=str(tmp_path / "hf"), HF_MODULES_CACHE=str(tmp_path / "hf_modules"))
+
+    def run(*argv):
+        r = subprocess.run([sys.executable, *map(str, argv)], capture_output=True, text=True, env=env, cwd=ROOT,
+                           timeout=600)
+        assert r.returncode == 0, r.stderr[-3000:]
+        return r.stdout
+
+    out, exported = tmp_path / "run", tmp_path / "export"
+    run("-m", "memtrain", "train", "--config", recipe, "--out", out, "--set", f"model.name={custom}",
+        "--set", "train.max_steps=2", "--set", "train.epochs=1", "--set", "eval.enabled=false", "--trust-remote-code")
+    run("-m", "memtrain", "export", out, "--out", exported, "--trust-remote-code")
+    assert {"cfg.py", "mod.py"} <= set(os.listdir(exported))
+    assert json.loads((exported / "config.json").read_text())["auto_map"]["AutoModelForCausalLM"] == "mod.MyModel"
+    assert json.loads(run("-c", _CHECK, exported, out).splitlines()[-1]) == {"class": "MyModel", "same": True}
