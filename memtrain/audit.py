@@ -22,7 +22,7 @@ from memtrain.api import evaluate
 from memtrain.config import RunConfig, apply_overrides, from_dict
 from memtrain.config import load as load_config
 from memtrain.data import canary_file
-from memtrain.evaluate import eval_grid, run_model
+from memtrain.evaluate import check_launched, eval_grid, run_model
 from memtrain.export import resolve, run_tokenizer
 from memtrain.files import write_atomic
 from memtrain.hf import GridModel, parallelize
@@ -110,6 +110,7 @@ def audit(model: str, canaries: str, out: str | Path, overrides: list[str] | Non
         model = str(Path(model).resolve())
     tok, run_cfg, run, ckpt = _model_tokenizer(model, trust_remote_code)
     cfg = _config(run_cfg, overrides or [])
+    check_launched(cfg, overrides or [])
     manifest = canary_file.to_canaries(canary_file.read(canaries), tok, str(canaries))
     start = start_ids(tok)
     out.mkdir(parents=True, exist_ok=True)  # the input read: an --out that cannot be written is told before scoring

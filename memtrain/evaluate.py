@@ -240,6 +240,7 @@ def evaluate_run(run_dir: Path, checkpoint_path: str | None = None, trust_remote
         if (out / EVAL).exists():
             raise FileExistsError(f"--out {str(out)!r} holds an earlier evaluation ({EVAL}): name a new directory")
     cfg = load_config(cfg_path, overrides)
+    check_launched(cfg, overrides or [])
     allow_remote_code(cfg, trust_remote_code, str(cfg_path))  # the command's flag decides, never the run's file
     fix = "restore it from a copy of the run, or evaluate another run"
     info = read_json(run_json, "run file", fix)
@@ -290,6 +291,16 @@ def _checkpoint(run_dir: Path, named: str | None) -> tuple[Path, int]:
         raise ValueError(f"--checkpoint {named!r} is not one of {str(run_dir)!r}'s checkpoints ({str(own)!r}): name "
                          "one of them, or evaluate the run it belongs to")
     return ckpt, step
+
+
+def check_launched(cfg: RunConfig, overrides: list[str]) -> None:
+    """A grid asked for on the command line (--set parallel.x=2) needs as many launched processes: one process
+    would score on its own, and say nothing of the grid it was asked for."""
+    p, asked = cfg.parallel, [o.split("=", 1)[0] for o in overrides if o.startswith("parallel.")]
+    need = p.x * p.y * p.z * max(p.data, 1)
+    if asked and need > 1 and parallel.launch_world_size() == 1:
+        raise ValueError(f"--set {', '.join(asked)} asks for a grid of {need} processes, and this is one: launch it "
+                         f"with torchrun --nproc-per-node {need} -m memtrain eval ..., or leave the grid out")
 
 
 def eval_grid(cfg: RunConfig) -> parallel.Grid:

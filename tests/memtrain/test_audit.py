@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Llama
 from memtrain.audit import audit
 from memtrain.scoring import start_ids
 
-from ._helpers import CPU_RANKS, ROOT, cli, memtrain
+from ._helpers import CPU_RANKS, ROOT, cli, memtrain, refused
 from .test_cli import TORCHRUN
 
 SEEN = ["Jane Roe's card number is 4111 1111 1111 1111.", "The vault opens with 7731-0042 on Tuesdays.",
@@ -174,3 +174,12 @@ def test_an_out_that_cannot_be_made_is_told_before_the_model_is_scored(model_dir
     (tmp_path / "f").write_text("a file")
     r = cli("eval", "--model", model_dir, "--canaries", canary_file, "--out", tmp_path / "f" / "o")
     assert r.returncode == 2 and "Not a directory" in r.stderr and "eval: extraction" not in r.stderr
+
+
+def test_a_grid_asked_for_without_its_processes_is_refused(model_dir, canary_file, tmp_path):
+    """`--set parallel.x=2` on one process scored on that one process and reported world_size 1, the grid asked
+    for silently dropped: the line names the torchrun command instead (a run's own grid, from its config.toml, is
+    not asked for: `eval RUN` on one process stays allowed)."""
+    r = cli("eval", "--model", model_dir, "--canaries", canary_file, "--out", tmp_path / "o", "--set", "parallel.x=2")
+    line = refused(r, "--set parallel.x asks for a grid of 2 processes, and this is one")
+    assert "torchrun --nproc-per-node 2 -m memtrain eval" in line and not (tmp_path / "o" / "eval.json").exists()
