@@ -14,8 +14,10 @@ import os
 import shutil
 from pathlib import Path
 
+from transformers.dynamic_module_utils import get_relative_imports
+
 from memtrain.files import atomic_dir
-from memtrain.models import MODELS, _holds_weights
+from memtrain.models import MODELS, holds_weights
 from memtrain.run_files import MODEL_DIR, MODEL_SOURCE
 
 
@@ -41,15 +43,16 @@ def keep_model_dir(name: str, run: str | os.PathLike) -> None:
     if name in MODELS or not os.path.isdir(name):
         return
     src = Path(name)
+    raw = (src / "config.json").read_bytes()
+    config = json.loads(raw)
     with atomic_dir(Path(run) / MODEL_DIR) as tmp:
-        shutil.copyfile(src / "config.json", tmp / "config.json")  # byte for byte, unless auto_map is made local
-        config = json.loads((tmp / "config.json").read_text(encoding="utf-8"))
         auto_map, files = config.get("auto_map"), _copy_code(src, tmp)
         local = _local_auto_map(auto_map, files) if isinstance(auto_map, dict) else auto_map
-        if local != auto_map:
-            (tmp / "config.json").write_text(json.dumps(dict(config, auto_map=local), indent=2) + "\n")
+        if local != auto_map:  # else byte for byte
+            raw = (json.dumps(dict(config, auto_map=local), indent=2) + "\n").encode()
+        (tmp / "config.json").write_bytes(raw)
         (tmp / MODEL_SOURCE).write_text(json.dumps({"model.name": str(src.resolve()),
-                                                    "weights": _holds_weights(src)}) + "\n")
+                                                    "weights": holds_weights(src)}) + "\n")
 
 
 def _auto_map_refs(path: Path) -> list[str]:
@@ -74,8 +77,6 @@ def _module_file(ref: str) -> str:  # of 'module.Class' or 'owner/repo--module.C
 def code_files(path: str | os.PathLike) -> list[Path]:
     """The Python files of model directory `path` its auto_map names and those they import relatively, found as
     transformers finds them (read, never imported); one it lacks is left out ('repo--' code may be the repo's)."""
-    from transformers.dynamic_module_utils import get_relative_imports
-
     path = Path(path)
     todo, found = [_module_file(r) for r in _auto_map_refs(path)], []
     while todo:

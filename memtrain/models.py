@@ -189,7 +189,8 @@ def _local_dir(name: str, trust_remote_code: bool) -> Path:
         raise _hub_error(name, e) from None
 
 
-def _holds_weights(path: Path) -> bool:
+def holds_weights(path: Path) -> bool:
+    """Whether a directory holds weight files (else it is an architecture: a config saved alone)."""
     return any(next(path.glob(pattern), None) is not None for pattern in _WEIGHT_FILES)
 
 
@@ -224,7 +225,7 @@ def build_model(name_or_path: str, vocab_size: int | None = None, *, device=None
     # Only a local directory can be config-only: a hub snapshot fetches *.safetensors alone, so a repository
     # with .bin weights would look weightless and silently train from scratch.
     held = _kept_weights(path)
-    weights = held if held is not None else (not os.path.isdir(name_or_path) or _holds_weights(path))
+    weights = held if held is not None else (not os.path.isdir(name_or_path) or holds_weights(path))
     if vocab_size is not None and not weights:  # an architecture: its table is sized to the tokenizer that drives it
         config.vocab_size = int(vocab_size)
         for k in ("bos_token_id", "eos_token_id", "pad_token_id"):
