@@ -256,7 +256,8 @@ def architecture_of(config) -> Architecture:
 
 LOGIT_TRANSFORMS = {"logits_scaling": 1, "logit_scale": 1, "final_logit_softcapping": None}
 """Config fields by which a *ForCausalLM.forward transforms the logits after its LM head (Granite, Cohere, Gemma 2
-and 3), with the value that leaves them as they are."""
+and 3), with the value that leaves them as they are; None does too (MPT's config holds logit_scale=None, which its
+forward never reads)."""
 
 SCORE_ON_ONE_PROCESS = ("training it is not supported; score it on one process (memtrain eval --model without "
                         "torchrun), where transformers' own forward runs")
@@ -269,7 +270,7 @@ def _refuse_what_the_engine_drops(model, embedding: nn.Embedding) -> None:
     name = type(model).__name__
     for key, neutral in LOGIT_TRANSFORMS.items():
         value = getattr(model.config, key, neutral)
-        if value != neutral:
+        if value not in (None, neutral):
             raise ValueError(f"{name}: config.{key}={value!r} transforms the logits after the LM head, which the "
                              f"engine's vocabulary-parallel loss would skip: {SCORE_ON_ONE_PROCESS}")
     if type(embedding).forward is not nn.Embedding.forward:

@@ -36,6 +36,7 @@ from torch import nn
 import parallel
 from memtrain.config import PARALLEL_MODES
 from memtrain.files import atomic_dir
+from memtrain.hf import documents
 from memtrain.hf.architectures import ARCHITECTURES, Architecture, architecture_of
 from memtrain.hf.slots import Builder, Source
 from parallel import comm, gemm_tuning
@@ -59,6 +60,7 @@ class ParallelLM(nn.Module):
         if getattr(model.config, "attention_dropout", 0):
             dropout.append("config.attention_dropout")
         self._dropout = dropout
+        self._document_mask = False  # isolate_documents: the engine builds the mask from position ids
 
     @property
     def config(self):
@@ -88,37 +90,48 @@ class ParallelLM(nn.Module):
         """Per-token cross-entropy [b, S] of this rank's rows; labels[:, j] is the target of position j
         (already shifted), -100 gives 0. In sharded mode the result is replicated over X and Y.
         position_ids that restart inside a row make each restarted run a document of its own: transformers
-        then masks attention block-diagonally (its packed-sequence path)."""
+        then masks attention block-diagonally (its packed-sequence path, or the engine's mask: isolate_documents)."""
         if self.training and self.mode == "sharded" and self._dropout:
             raise ValueError(f"{type(self.model).__name__} has dropout ({self._dropout[0]}) in training: sharded "
                              "mode replicates activations over Y, which would need identical masks on every "
                              "replica; set the config's dropout fields to 0 (e.g. build_model(name, attn_pdrop=0.0, "
                              "resid_pdrop=0.0, embd_pdrop=0.0)), call .eval(), or use mode='easy'")
-        out = self.model.base_model(input_ids=input_ids, position_ids=position_ids, use_cache=False)
+        mask = None
+        if self._document_mask and position_ids is not None:
+            mask = documents.block_causal_mask(position_ids, self.config._attn_implementation,
+                                               next(self.parameters()).dtype)
+        out = self.model.base_model(input_ids=input_ids, attention_mask=mask, position_ids=position_ids,
+                                    use_cache=False)
         return self.head.loss(out[0], labels)
 
     forward = token_losses
 
     @torch.no_grad()
-    def isolates_documents(self) -> bool:
-        """Whether position ids that restart inside a row keep its documents apart (collective): the losses of a
-        row's second document must not move when its first document's tokens change. Most transformers families
-        mask packed sequences by their position ids; some (OPT, BLOOM) never pass them to their masks, and a
-        row's documents then attend to each other. Every rank scores one such row of its own."""
-        was, vocab = self.training, self.config.vocab_size
-        ids = torch.tensor([[1, 2, 3, 4, 5, 6, 7, 8], [9, 10, 11, 4, 5, 6, 7, 8]]) % vocab
-        positions = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4]] * 2)
-        labels = torch.full_like(ids, -100)
-        labels[:, 3:7] = ids[:, 4:8]  # the second document's targets only
-        self.eval()  # dropout would move them too
+    def isolate_documents(self) -> bool:
+        """Make position ids that restart inside a row keep its documents apart, and say whether they now do
+        (collective, every rank scoring rows of its own): transformers' own packed-sequence mask where the family
+        reads position ids, else the engine's block-causal mask (hf/documents.py); False where neither does."""
+        was, device = self.training, self.grid.device
+        self.eval()  # dropout would move the losses too
         try:
-            moved = [self.token_losses(ids[i:i + 1].to(self.grid.device), labels[i:i + 1].to(self.grid.device),
-                                       positions[i:i + 1].to(self.grid.device)) for i in range(2)]
+            for prepared in (False, True):
+                if prepared and self.config._attn_implementation not in documents.MASK_FORMATS:
+                    break  # flash attention and the like take no 4-D tensor mask
+                self._document_mask = prepared
+                try:
+                    worst = documents.leak(lambda *row: self.token_losses(*(t.to(device) for t in row)),
+                                           self.config.vocab_size)
+                except ValueError:
+                    if not prepared:
+                        raise
+                    worst = torch.ones(1, device=device)  # BLOOM builds ALiBi from the mask: it must be [b, S]
+                comm.all_reduce(worst, self.grid, parallel.AXES, op=torch.distributed.ReduceOp.MAX)
+                if worst.item() < 1e-3:  # exactly 0 where documents stay apart
+                    return True
+            self._document_mask = False
+            return False
         finally:
             self.train(was)
-        worst = ((moved[0] - moved[1]).abs().max() / (1 + moved[0].abs().max())).reshape(1).float()
-        parallel.comm.all_reduce(worst, self.grid, parallel.AXES, op=torch.distributed.ReduceOp.MAX)
-        return worst.item() < 1e-4  # rounding moves nothing this much; a document that sees another, O(0.1)
 
     @torch.inference_mode()
     def token_scores(self, input_ids: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

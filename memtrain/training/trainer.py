@@ -143,9 +143,10 @@ def train(cfg: RunConfig, out_dir: str | Path, *, resume: bool = False, force: b
 
     built = run_model_name(out, cfg.model.name) if resume else cfg.model.name  # model_copy: as it trained
     stream, plm = setup(replace(cfg, model=replace(cfg.model, name=built)), grid)
-    if stream.document_attention and not plm.isolates_documents():  # before compiling: it runs tiny rows
+    if stream.document_attention and not plm.isolate_documents():  # before compiling: it runs tiny rows
         raise ValueError(f"{type(plm.model).__name__} lets the documents packed in a row attend to each other (its "
-                         "attention mask ignores position ids), which data.document_attention forbids: set "
+                         "attention mask ignores position ids and a block-causal one passed in does not hold, as "
+                         "with BLOOM's ALiBi or flash attention), which data.document_attention forbids: set "
                          "data.document_attention=false (attention across the row, as classic packing; evaluation "
                          "then scores canaries in their in-row context too)")
     if cfg.model.init:

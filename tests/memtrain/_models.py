@@ -22,9 +22,17 @@ def tiny(family, device=None, **kw):
         return build_model("gpt2-tiny", 99, device=device, n_embd=32, n_layer=1, n_head=8, n_positions=16, **kw)
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    # OPT: learned positions with an offset, biases, tied embeddings; memtrain has no plan for it.
-    cfg = AutoConfig.for_model("opt", vocab_size=96, hidden_size=32, num_hidden_layers=1, ffn_dim=64,
-                               num_attention_heads=4, max_position_embeddings=16, word_embed_proj_dim=32,
-                               dropout=0.0, attention_dropout=0.0, **kw)
+    cfg = AutoConfig.for_model(family, **dict(GENERIC[family], **kw))
     with torch.device(device or "cpu"):
         return AutoModelForCausalLM.from_config(cfg)
+
+
+GENERIC = {  # families memtrain has no plan for (easy mode only)
+    # learned positions with an offset, biases, tied embeddings
+    "opt": dict(vocab_size=96, hidden_size=32, num_hidden_layers=1, ffn_dim=64, num_attention_heads=4,
+                max_position_embeddings=16, word_embed_proj_dim=32, dropout=0.0, attention_dropout=0.0),
+    # ALiBi built from a 2-D attention mask
+    "bloom": dict(vocab_size=96, hidden_size=32, n_layer=1, n_head=4, hidden_dropout=0.0, attention_dropout=0.0),
+    # ALiBi of its own, a mask that ignores position ids
+    "mpt": dict(vocab_size=96, d_model=32, n_layers=1, n_heads=4, expansion_ratio=2),
+}

@@ -396,21 +396,3 @@ def test_dropout_is_refused_in_sharded_training_only():
     easy = parallelize(tiny("gpt2", attn_pdrop=0.1), parallel.Grid(1, 1, 1, 1), "easy")
     easy.train()
     easy.token_losses(ids, labels)
-
-
-def _isolation(rank, world):
-    grid = parallel.Grid(1, 2, 1, 1, rank=rank)
-    grid.build_groups()
-    return {fam: parallelize(tiny(fam, "meta"), grid, mode, seed=SEED, device="cpu").isolates_documents()
-            for fam, mode in (("llama", "sharded"), ("gpt2", "sharded"), ("opt", "easy"))}
-
-
-def test_which_models_keep_packed_documents_apart():
-    """Document attention rests on transformers masking packed sequences by their restarting position ids. OPT's
-    model never passes them to its mask (nor does BLOOM's), so its documents attend across the row: the probe the
-    trainer asks before training says so, on one process and on a grid alike."""
-    one = {fam: parallelize(tiny(fam, "meta"), parallel.Grid(1, 1, 1, 1), mode, seed=SEED, device="cpu")
-           .isolates_documents() for fam, mode in (("llama", "sharded"), ("neox", "sharded"), ("gpt2", "sharded"),
-                                                   ("opt", "easy"))}
-    assert one == {"llama": True, "neox": True, "gpt2": True, "opt": False}
-    assert run_ranks(2, _isolation) == [{"llama": True, "gpt2": True, "opt": False}] * 2
