@@ -144,9 +144,20 @@ def split_ids(tok, prefix: str, suffix: str) -> tuple[list[int], int]:
     that end at or before the prefix's last character; one that straddles the cut goes to the suffix. A byte-level
     BPE whose pre-tokenizer already splits there gets the ids of the sides tokenized apart."""
     text, cut = prefix + suffix, len(prefix)
-    if not getattr(tok, "is_fast", False):  # a Python tokenizer has no offsets: the tokens the prefix alone gives
+    if not getattr(tok, "is_fast", False):  # a Python tokenizer has no offsets: decoded text marks where tokens end
         ids, own = encode_text(tok, text), encode_text(tok, prefix)
-        return ids, next((i for i, (a, b) in enumerate(zip(ids, own)) if a != b), min(len(ids), len(own)))
+        n = next((i for i, (a, b) in enumerate(zip(ids, own)) if a != b), min(len(ids), len(own)))
+        # The suffix can re-cut the prefix's last word (" se" "cr" alone, " sec" "ret" whole): tokens past the ids
+        # the sides share still belong to the prompt while they decode inside the prefix, decoded too (a normalizing
+        # tokenizer's text is not the prefix's).
+        said = tok.decode(own, clean_up_tokenization_spaces=False)
+        for k in range(n + 1, len(ids) + 1):
+            head = tok.decode(ids[:k], clean_up_tokenization_spaces=False)
+            if len(head) > len(said):
+                break
+            if said.startswith(head):  # else a character cut between tokens (U+FFFD) that the next one completes
+                n = k
+        return ids, n
     enc = tok(text, add_special_tokens=False, split_special_tokens=True, return_offsets_mapping=True)
     ids, spans = enc["input_ids"], enc["offset_mapping"]
     n = next((i for i, (_, end) in enumerate(spans) if end > cut), len(ids))

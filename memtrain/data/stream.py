@@ -14,16 +14,17 @@ doc_pos[t] is the position of T[t] inside its document: the number of tokens sin
 
 Document attention (data.document_attention, the default): batches carry position_ids that restart at
 every EOS of the inputs (the EOS that opens a document is its position 0) and at every row start. Given
-position ids that restart, transformers masks attention block-diagonally (packed sequences), so each
-document attends only to itself: a canary copy anywhere in a row is seen exactly as it is at evaluation,
+position ids that restart, transformers masks attention block-diagonally (packed sequences; the engine builds that
+mask itself for families whose own ignores position ids: memtrain/hf/documents.py), so each document attends only
+to itself: a canary copy anywhere in a row is seen exactly as it is at evaluation,
 [EOS, canary] from position 0, whatever text precedes it in the row.
 
 The stream is a pure function of (corpus, tokenizer, seq_len, val_fraction, max_text_tokens,
-text_piece_tokens, canary config, seed, and the batch size its row count is rounded up to): no model or
-parallel setting enters, so every model size and every grid trains on the same bytes. Rounding the rows up to
-a whole number of batches means a pass trains every row (a short last batch would not split over the grid), so
-no canary copy sits where no step reaches it. It is cached under <cache>/streams/<key>, key = hash of all of
-these."""
+text_piece_tokens, canary config, the content of canaries.file and canaries.unique_against, seed, and the batch
+size its row count is rounded up to): no model or parallel setting enters, so every model size and every grid
+trains on the same bytes. Rounding the rows up to a whole number of batches means a pass trains every row (a short
+last batch would not split over the grid), so no canary copy sits where no step reaches it. It is cached under
+<cache>/streams/<key>, key = hash of all of these."""
 
 from __future__ import annotations
 
@@ -39,7 +40,7 @@ import torch
 from memtrain.data import canary_file
 from memtrain.data.canaries import Canary, Placement, make_document_canaries, make_random_canaries
 from memtrain.data.config import CanaryConfig, DataConfig
-from memtrain.data.corpus import load_corpus
+from memtrain.data.corpus import Corpus, load_corpus
 from memtrain.data.tokenizer import encode, load_tokenizer, tokenizer_fingerprint, vocab_size
 from memtrain.files import file_lock, write_atomic
 from memtrain.progress import quiet, stage
@@ -234,6 +235,7 @@ def build_stream(data_cfg: DataConfig, canary_cfg: CanaryConfig | None = None, s
     canary_cfg = canary_cfg if canary_cfg is not None else CanaryConfig(number=0)
     corpus = load_corpus(data_cfg)
     tok = load_tokenizer(data_cfg, corpus)
+    avoided = _avoided(canary_cfg, data_cfg)
     cache = data_cfg.resolved_cache_dir()
     spec = {"version": FORMAT_VERSION, "corpus": corpus.fingerprint, "tokenizer": tokenizer_fingerprint(tok),
             "seq_len": data_cfg.seq_len, "val_fraction": data_cfg.val_fraction,
@@ -246,6 +248,8 @@ def build_stream(data_cfg: DataConfig, canary_cfg: CanaryConfig | None = None, s
         spec["canaries_file_sha256"] = canary_file.file_digest(canary_cfg.file)
         spec["canaries_file_texts_held"] = True  # streams before it trained documents holding a file's texts
         spec["canaries_file_whole_text"] = True  # before it, prefix and suffix were tokenized apart
+    if avoided is not None:  # as for the file: its path alone keeps the key when edited text draws other canaries
+        spec["unique_against_corpus"] = avoided.fingerprint
     if batch_size > 1:  # batch 1 keeps the keys streams had before rows were rounded
         spec["rows_multiple"] = batch_size
     key = _hash(spec)
@@ -255,7 +259,8 @@ def build_stream(data_cfg: DataConfig, canary_cfg: CanaryConfig | None = None, s
             if not (folder / "meta.json").exists():
                 with stage(f"data: tokenizing {len(corpus.docs):,} documents and packing them into sequences of "
                            f"{data_cfg.seq_len} tokens"):
-                    _write_stream(folder, data_cfg, canary_cfg, seed, corpus, tok, {**spec, "key": key}, batch_size)
+                    _write_stream(folder, data_cfg, canary_cfg, seed, corpus, tok, {**spec, "key": key}, batch_size,
+                                  avoided)
     try:  # the cache is ours, but a disk or a hand can damage it: name the entry, never a parser's message alone
         meta = json.loads((folder / "meta.json").read_text())
         tokens = np.load(folder / "tokens.npy")
@@ -270,7 +275,7 @@ def build_stream(data_cfg: DataConfig, canary_cfg: CanaryConfig | None = None, s
 
 
 def _write_stream(folder: Path, data_cfg: DataConfig, canary_cfg: CanaryConfig, seed: int, corpus, tok,
-                  meta: dict, batch_size: int) -> None:
+                  meta: dict, batch_size: int, avoided: Corpus | None) -> None:
     """Split the corpus, draw and place the canaries, pack, and write the stream's cache entry."""
     docs = _tokenized(corpus, tok, data_cfg.resolved_cache_dir())
     S, eos = data_cfg.seq_len, int(tok.eos_token_id)
@@ -294,7 +299,7 @@ def _write_stream(folder: Path, data_cfg: DataConfig, canary_cfg: CanaryConfig, 
             candidates = sorted(int(i) for i in pool)
         doc_canaries, used = make_document_canaries(canary_cfg, tok, corpus.docs, candidates,
                                                     np.random.default_rng([content_seed, 2]),
-                                                    _avoid(canary_cfg, data_cfg))
+                                                    "\0".join(d.text for d in avoided.docs) if avoided else "")
         canaries += doc_canaries
         held.update(used)
     if canary_cfg.file is not None:
@@ -345,15 +350,15 @@ def _write_stream(folder: Path, data_cfg: DataConfig, canary_cfg: CanaryConfig, 
     write_atomic(folder / "meta.json", json.dumps(meta, indent=1).encode())  # last: marks the entry complete
 
 
-def _avoid(canary_cfg: CanaryConfig, data_cfg: DataConfig) -> str:
-    """The text no canary may come from (canaries.unique_against), as one string: read with the data section's
-    text_field, corpus_split, file_glob and cache, whole (every document, each one document)."""
-    if canary_cfg.unique_against is None:
-        return ""
+def _avoided(canary_cfg: CanaryConfig, data_cfg: DataConfig) -> Corpus | None:
+    """The corpus no canary may come from (canaries.unique_against), read with the data section's text_field,
+    corpus_split, file_glob and cache, whole (every document, each one document); None where it changes nothing
+    (no document canaries are drawn), which keeps such streams' keys and skips reading it."""
+    if canary_cfg.unique_against is None or not canary_cfg.number or "document" not in canary_cfg.kinds:
+        return None
     with quiet():
-        corpus = load_corpus(replace(data_cfg, corpus=canary_cfg.unique_against, txt_sample_by="document",
-                                     max_docs=None))
-    return "\0".join(d.text for d in corpus.docs)
+        return load_corpus(replace(data_cfg, corpus=canary_cfg.unique_against, txt_sample_by="document",
+                                   max_docs=None))
 
 
 def _place(canaries: list[Canary], n_seq: int, S: int, placement, rng: np.random.Generator) -> None:

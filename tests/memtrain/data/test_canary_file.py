@@ -145,6 +145,45 @@ def test_byte_level_splits_that_were_right_keep_their_ids():
         assert (c.token_ids, c.prefix_len) == (apart[0] + apart[1], len(apart[0])), prefix
 
 
+def _same_bpe_slow_and_fast(folder):
+    """One byte-level BPE twice: in transformers' ClvpTokenizer (GPT-2's BPE and split pattern in Python; it has no
+    fast class, so data.tokenizer naming its directory loads it slow) and in a fast tokenizer. Merges apply by rank,
+    so the suffix re-cuts the prefix's last word: " secr" is " se" "cr" alone, " sec" "ret" in " secret"."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from memtrain.data import DataConfig
+    from memtrain.data.tokenizer import EOS, load_tokenizer
+
+    merges = [("r", "e"), ("Ġ", "s"), ("Ġs", "e"), ("c", "r"), ("Ġse", "c"), ("re", "t"), ("t", "h"), ("th", "e")]
+    vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    vocab.update({a + b: len(vocab) + i for i, (a, b) in enumerate(merges)})
+    vocab[EOS] = len(vocab)
+    (folder / "vocab.json").write_text(json.dumps(vocab))
+    (folder / "merges.txt").write_text("#version: 0.2\n" + "".join(f"{a} {b}\n" for a, b in merges))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "ClvpTokenizer", "eos_token": EOS,
+                                                              "unk_token": EOS, "bos_token": EOS, "pad_token": EOS}))
+    tk = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    tk.pre_tokenizer, tk.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    return load_tokenizer(DataConfig(tokenizer=str(folder)), None), PreTrainedTokenizerFast(tokenizer_object=tk,
+                                                                                           eos_token=EOS)
+
+
+def test_a_slow_tokenizer_cuts_where_the_fast_one_does(tmp_path):
+    """Without offsets the prompt was the tokens the prefix alone shares with the whole text: "the secr" + "et" gave
+    " sec", prefix text, to the suffix, as " secr" alone is " se" "cr"."""
+    slow, fast = _same_bpe_slow_and_fast(tmp_path)
+    assert not slow.is_fast and fast.is_fast
+    the, sec, ret = fast.convert_tokens_to_ids(["the", "Ġsec", "ret"])
+    assert canary_file.split_ids(slow, "the secr", "et") == ([the, sec, ret], 2)  # a merge across the cut
+    assert canary_file.split_ids(slow, "the sec", "ret") == ([the, sec, ret], 2)  # a cut between tokens
+    assert canary_file.split_ids(slow, "the se", "cret") == ([the, sec, ret], 1)  # " sec" straddles it
+    text = "the secret the secret"
+    for cut in range(1, len(text)):
+        assert canary_file.split_ids(slow, text[:cut], text[cut:]) == canary_file.split_ids(fast, text[:cut],
+                                                                                            text[cut:]), cut
+
+
 TWIN_ROW = {"id": "vault", "prefix": "The vault opens with", "suffix": " 7731-0042 on Tuesdays, said Ann Lee."}
 
 

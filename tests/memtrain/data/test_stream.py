@@ -240,6 +240,20 @@ def test_a_canary_found_in_the_pretraining_text_is_not_used(data_cfg, tmp_path):
     assert avoided.key != first.key
 
 
+def test_the_unique_against_corpus_enters_the_key_by_its_content(data_cfg, tmp_path):
+    """The corpus canaries.unique_against names decides which canaries are drawn: with its path alone in the key,
+    an edited corpus kept the key a run recorded while a rebuild drew other canaries."""
+    (tmp_path / "pre").mkdir()
+    (tmp_path / "pre" / "a.txt").write_text("unrelated text\n")
+    cfg = replace(CANARIES, number=2, kinds=["document"], unique_against=str(tmp_path / "pre"))
+    first = build_stream(data_cfg, cfg, seed=5)
+    (tmp_path / "pre" / "a.txt").write_text("unrelated text\n")  # rewritten, the same content
+    assert build_stream(data_cfg, cfg, seed=5).key == first.key
+    (tmp_path / "pre" / "a.txt").write_text("unrelated text\n" + first.canaries[0].text + "\n")
+    edited = build_stream(data_cfg, cfg, seed=5)
+    assert edited.key != first.key and first.canaries[0].text not in {c.text for c in edited.canaries}
+
+
 def test_unique_against_reads_its_corpus_with_the_data_sections_settings(data_cfg, tmp_path):
     """A pretraining corpus of JSON lines whose text is in 'body', as the fine-tuning corpus's (data.text_field):
     read with that field (it was read with the default 'text' and refused)."""
