@@ -6,6 +6,10 @@ processes writing the same path never share one; `atomic_dir` builds a whole dir
 `file_lock` serializes the builders of one cache entry (two sweeps, or two runs of one sweep, needing the
 same stream or base model) across processes and threads.
 
+Durable against power loss too: the data is fsync'd before the rename (or with each append) and the directory
+after it, so what a write made visible survives, never as an empty file or a lost line. Where a directory cannot
+be opened or synced (Windows, some FUSE mounts) its fsync is skipped.
+
 JSONL files (metrics, passes, results) are only appended to: `append_jsonl` writes one fsync'd line and never
 glues it onto a line a kill cut short; `read_jsonl` skips such a torn line (and anything but a JSON object) with
 a warning naming the file and line.
@@ -14,6 +18,7 @@ a warning naming the file and line.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import shutil
@@ -26,12 +31,44 @@ def write_atomic(path: str | os.PathLike, data: str | bytes) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
-        tmp.write_bytes(data.encode("utf-8") if isinstance(data, str) else data)
+        with open(tmp, "wb") as f:
+            f.write(data.encode("utf-8") if isinstance(data, str) else data)
+            f.flush()
+            os.fsync(f.fileno())  # else a power loss after the rename can leave `path` empty
         os.replace(tmp, path)
     except OSError:  # a full disk: no stray temporary beside the file left as it was
         tmp.unlink(missing_ok=True)
         raise
+    _sync_dir(path.parent)
     return path
+
+
+def _sync_dir(path: str | os.PathLike) -> None:
+    """fsync directory `path`, so the renames and new files in it survive a power loss."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:  # Windows opens no directory (and has no directory entry to sync)
+        return
+    try:
+        os.fsync(fd)
+    except OSError as e:
+        if e.errno not in (errno.EINVAL, errno.EOPNOTSUPP):  # a file system that syncs no directory (some FUSE)
+            raise
+    finally:
+        os.close(fd)
+
+
+def _sync_tree(root: Path) -> None:
+    """fsync every file and directory under `root`, `root` last: its files were written by others (safetensors,
+    save_pretrained), which sync nothing."""
+    for folder, _, files in os.walk(root, topdown=False):
+        for name in files:
+            fd = os.open(os.path.join(folder, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        _sync_dir(folder)
 
 
 def respect_umask(path: str | os.PathLike) -> None:
@@ -61,10 +98,12 @@ def replace_dir(tmp: str | os.PathLike, final: str | os.PathLike) -> Path:
     one under its aside name), never a half-written one.
     """
     tmp, final = Path(tmp), Path(final)
+    _sync_tree(tmp)
     old = final.with_name(f".{final.name}.old-{os.getpid()}")
     if final.exists():
         os.replace(final, old)
     os.replace(tmp, final)
+    _sync_dir(final.parent)
     shutil.rmtree(old, ignore_errors=True)
     return final
 
@@ -108,7 +147,8 @@ def append_jsonl(path: str | os.PathLike, record: dict) -> None:
     line = json.dumps(record, default=str) + "\n"
     with open(path, "a+b") as f:
         f.seek(0, os.SEEK_END)
-        if f.tell() > 0:
+        new = f.tell() == 0
+        if not new:
             f.seek(-1, os.SEEK_END)
             if f.read(1) != b"\n":
                 line = "\n" + line  # never glue our line onto a torn one
@@ -116,6 +156,8 @@ def append_jsonl(path: str | os.PathLike, record: dict) -> None:
         f.write(line.encode())
         f.flush()
         os.fsync(f.fileno())
+    if new:  # the file may have just been created: its directory entry too, or a power loss loses the file
+        _sync_dir(Path(path).parent)
 
 
 def read_jsonl(path: str | os.PathLike, *, quiet: bool = False) -> list[dict]:
