@@ -5,7 +5,8 @@
     memtrain plot audit-a audit-b --out cmp/       # evaluations side by side (evals.py)
     python -m experiments.report runs/quick
 
-Several lines for the same point (a failure, then a retry with --resume) count once: the last one wins.
+Several lines for the same point (a failure, then a retry with --resume) count once: the last one wins. A file
+whose points all failed is refused: there is nothing to plot.
 Seeds are pooled: exact-match rates are counts over canaries x seeds with 95% Wilson intervals (n given); the
 copies or passes a size needs to reach 50% get cluster-bootstrap intervals over seeds and canaries (crossing.py).
 
@@ -49,6 +50,10 @@ def build_report(results: str | Path, out: str | Path | None = None) -> dict:
     rows = list(read_results(results).values())
     if not rows:
         raise ValueError(f"{str(results)!r} holds no results yet")
+    if not any(r.get("status") == "ok" for r in rows):  # else every figure and table would be drawn empty
+        raise ValueError(f"{str(results)!r}: none of its {len(rows)} point(s) succeeded, so there is nothing to plot: "
+                         "their errors are in that file, their logs in their run directories; rerun them with "
+                         "`memtrain sweep ... --resume` once fixed")
     study = passes.numbers(rows)  # bootstraps: computed once for the figures and the text
     figs = draw_figures(rows, out / "figures", study)
     lead = []

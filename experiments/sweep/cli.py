@@ -102,8 +102,11 @@ def main(argv: list[str] | None = None, parser: argparse.ArgumentParser | None =
     except (ValueError, OSError) as e:
         return fail(str(e))
     if summary["failed"]:
-        print(f"memtrain: error: {summary['failed']} point(s) failed ({', '.join(summary['failed_ids'])}): their "
-              "logs are in their run directories; --resume retries them", file=sys.stderr)
+        n, ids = summary["failed"], summary["failed_ids"]
+        every = "all " if summary["ok"] == summary["skipped"] == 0 and not summary["pending"] else ""
+        listed = ", ".join(ids[:3]) + (f" and {n - 3} more" if n > 3 else "")
+        print(f"memtrain: error: {every}{n} point(s) failed ({listed}): their logs are in {summary['out']}/<point>/, "
+              f"their errors in {summary['results']}; --resume retries them", file=sys.stderr)
         return 1
     return 0
 

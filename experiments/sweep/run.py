@@ -160,8 +160,11 @@ def _run_points(spec: Spec, points: list[Point], out: Path, *, overrides, resume
     summary = {"ok": ok, "failed": len(failed), "failed_ids": sorted(failed), "skipped": skipped,
                "pending": sorted(pending), "results": results, "out": out}
     if report and results.is_file() and not pending:
-        config = dict(dataclasses.asdict(spec), overrides=overrides or [])
-        summary["report"] = _report(out, points[0].cfg if points else None, config, log)
+        if any(r.get("status") == "ok" for r in read_results(results).values()):
+            config = dict(dataclasses.asdict(spec), overrides=overrides or [])
+            summary["report"] = _report(out, points[0].cfg if points else None, config, log)
+        else:  # build_report refuses it: its figures and tables would all be empty
+            log(f"no report: no point in {results} succeeded")
     if not pending:  # a run still in flight would be uploaded half-written
         _say_sync(out, bases.pretrained, log)
     return summary

@@ -173,6 +173,14 @@ def test_missing_results_is_a_clear_error(tmp_path, capsys):
         report.build_report(tmp_path)
 
 
+def test_results_whose_points_all_failed_are_refused_not_drawn_empty(tmp_path, capsys):
+    rows = [synthetic_row("ladder-1m", 1e6, loss, status="failed") for loss in ("standard", "goldfish k=4")]
+    (tmp_path / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert report.main([str(tmp_path)]) == 2
+    assert "none of its 2 point(s) succeeded, so there is nothing to plot" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["results.jsonl"]  # no report.md, no empty figures
+
+
 def _with_corpus(row, source, fingerprint):
     return {**row, "run": {"corpus": {"source": source, "fingerprint": fingerprint, "documents": 240}}}
 

@@ -61,6 +61,23 @@ def test_failure_is_recorded_and_the_sweep_goes_on(env, capsys):
     assert all(r["status"] == "ok" for r in latest.values()) and len(results(out)) == len(IDS) + 1
 
 
+def test_a_sweep_whose_every_point_failed_draws_no_report(env, capsys, monkeypatch):
+    """No report of nothing (a table of dashes, empty figures): one line saying how many points failed and where
+    their logs are, exit 1, the results file as the failures left it."""
+    out = env["tmp"] / "runs" / "mini"
+    monkeypatch.setenv("FAKE_FAIL", "ladder-1m_standard,ladder-1m_goldfish-k4")
+    rc = cli.main([str(env["spec"]), "--out", str(out), "--runner", env["runner"], "--only", "ladder-1m_"])
+    assert rc == 1
+    assert [r["status"] for r in results(out)] == ["failed", "failed"]
+    assert not (out / "report.md").exists() and not (out / "figures").exists()
+    printed = capsys.readouterr()
+    assert f"no report: no point in {out / 'results.jsonl'} succeeded" in printed.out
+    assert printed.err == (f"memtrain: error: all 2 point(s) failed (ladder-1m_goldfish-k4, ladder-1m_standard): "
+                           f"their logs are in {out}/<point>/, their errors in {out / 'results.jsonl'}; --resume "
+                           "retries them\n")
+    assert (out / "ladder-1m_standard" / "stderr.log").is_file()
+
+
 def test_resume_after_kill_runs_only_missing_points(env):
     out = env["tmp"] / "killed"
     env_vars = dict(os.environ, FAKE_KILL="ladder-3m_goldfish-k4", FAKE_KILL_MARK=str(env["tmp"] / "mark"),
