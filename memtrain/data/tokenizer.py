@@ -16,6 +16,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedToken
 
 from memtrain.data.config import DataConfig
 from memtrain.data.corpus import Corpus
+from memtrain.files import write_atomic
 from memtrain.progress import count, stage
 
 EOS = "<|endoftext|>"
@@ -107,8 +108,5 @@ def _cached_bpe(corpus: Corpus, size: int, cache: Path) -> PreTrainedTokenizerFa
     with stage(f"data: corpus {corpus.source!r}: {len(texts):,} documents, {count(sum(map(len, texts)))} chars; "
                f"training a byte-level BPE tokenizer (vocab {size:,})"):
         tok = train_bpe(texts, size)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".tokenizer.json.{os.getpid()}.tmp")
-    tok.backend_tokenizer.save(str(tmp))
-    os.replace(tmp, path)  # atomic: a concurrent reader sees the old state or the whole file
+    write_atomic(path, tok.backend_tokenizer.to_str(pretty=True))  # a concurrent reader sees none or all of it
     return tok
