@@ -28,6 +28,17 @@ from .sharding import BlockLayout, check_sizes, tag
 IGNORE_INDEX = -100
 
 
+def check_in_range(ids: torch.Tensor, high: int, what: str, fix: str) -> None:
+    """Refuse ids outside [0, high) (IGNORE_INDEX aside for labels), as torch's own lookup and loss do: a sharded
+    table would embed an id no shard holds as zeros, and the vocabulary-parallel loss would score a label no shard
+    holds as if its logit were 0, both silently. Asynchronous on a GPU (a device-side assert, as torch's), so it
+    costs no host sync."""
+    ok = (ids >= 0) & (ids < high)
+    if what == "label":
+        ok |= ids == IGNORE_INDEX
+    torch._assert_async(ok.all(), f"a {what} outside the model's vocabulary [0, {high}): {fix}")
+
+
 class _EmbedFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, ids, weight, layer):
@@ -92,6 +103,7 @@ class Embedding(ShardedWeight):
             return F.embedding(ids, self.weight.view(self.num_embeddings, self.embedding_dim), self.padding_idx)
         lead = ids.shape
         flat = ids.reshape(-1)
+        check_in_range(flat, self.num_embeddings, "token id", "use a tokenizer that fits the model")
         if self.mode == "easy":
             flat = comm.all_gather(flat, self.grid, self.in_axis)
         out = _EmbedFn.apply(flat, self.weight, self)
@@ -230,6 +242,7 @@ class LMHead(ShardedWeight):
     def loss(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         lead = labels.shape
         labels = labels.reshape(-1)
+        check_in_range(labels, self.valid, "label", f"use labels below {self.valid} or {IGNORE_INDEX} (ignored)")
         logits = self.logits(hidden)
         if self.mode == "easy":
             labels = comm.all_gather(labels, self.grid, self.out_axis)
@@ -260,6 +273,7 @@ class LMHead(ShardedWeight):
         """fn(logits, labels) -> per-token tensors [N] of the logits' rows, returned in the caller's row layout."""
         lead = labels.shape
         labels = labels.reshape(-1)
+        check_in_range(labels, self.valid, "label", f"use labels below {self.valid} or {IGNORE_INDEX} (ignored)")
         logits = self.logits(hidden)
         if self.mode == "easy":
             labels = comm.all_gather(labels, self.grid, self.out_axis)
