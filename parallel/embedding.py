@@ -204,6 +204,8 @@ class LMHead(ShardedWeight):
     `loss(hidden, labels)` returns the per-token loss in the caller's own row layout: [rows] for easy
     mode (hidden [rows, H]), [rows] replicated over X and Y for sharded mode (hidden [rows, H/x]).
     `valid`: rows >= valid are vocabulary padding (see `padded_vocab`) and can never win the softmax.
+    `logits_fn`: an elementwise transform of the logits before the loss, argmax and log-probabilities (a model's
+    logit scaling or soft-capping); elementwise, so each vocabulary shard applies it to its own logits.
     """
 
     def __init__(self, hidden: int, vocab: int, *, valid: int | None = None, tie_to: Embedding | None = None,
@@ -212,6 +214,7 @@ class LMHead(ShardedWeight):
         super().__init__()
         check_sizes(name, hidden=hidden, vocab=vocab)
         self.hidden, self.vocab, self.valid = hidden, vocab, vocab if valid is None else valid
+        self.logits_fn = None
         layout = BlockLayout(vocab, hidden, row_axis="y", col_axis="x")
         if tie_to is not None:
             if (tie_to.num_embeddings, tie_to.embedding_dim) != (vocab, hidden) or tie_to.mode != mode:
@@ -232,7 +235,9 @@ class LMHead(ShardedWeight):
             if self.mode == "easy":
                 h = FeaturesToRows.apply(h, self.grid, self.in_axis)
             logits = MatmulFn.apply(h, self.weight, self)
-        if self.valid < self.vocab:
+        if self.logits_fn is not None:
+            logits = self.logits_fn(logits)
+        if self.valid < self.vocab:  # after logits_fn: a soft-cap would lift the -1e30 to -cap
             n = logits.shape[-1]
             start = self.grid.coord(self.out_axis) * n
             pad = torch.arange(start, start + n, device=logits.device) >= self.valid

@@ -19,6 +19,8 @@ Easy mode (`Architecture.easy_plan`) turns every Linear/Conv1D of any causal LM 
 
 from __future__ import annotations
 
+import functools
+import inspect
 import math
 from dataclasses import dataclass
 
@@ -118,14 +120,16 @@ class Architecture:
         inp, out = model.get_input_embeddings(), model.get_output_embeddings()
         if not isinstance(inp, nn.Embedding) or out is None:
             raise ValueError(f"{type(model).__name__}: easy mode needs an nn.Embedding input and an output embedding")
-        _refuse_what_the_engine_drops(model, inp)
+        logits_fn, lookup_fn = _around_the_engine(model, inp)
         names = {id(m): n for n, m in model.named_modules()}
         tied = out.weight is inp.weight
         for name, mod in list(model.named_modules()):
             if mod is not out and isinstance(mod, (nn.Linear, Conv1D)):
                 b.linear(name)
         emb = b.embedding(names[id(inp)])
-        b.lm_head(names[id(out)], emb if tied else None)
+        b.lm_head(names[id(out)], emb if tied else None).logits_fn = logits_fn
+        if lookup_fn is not None:
+            emb.register_forward_hook(lambda module, args, out: lookup_fn(out))
 
     def sharded_plan(self, model, b: Builder) -> None:
         """The block list of `shape`, applied layer by layer: one source for the plan and the planner."""
@@ -254,25 +258,49 @@ def architecture_of(config) -> Architecture:
     return ARCHITECTURES.get(config.model_type, GENERIC)
 
 
-LOGIT_TRANSFORMS = {"logits_scaling": 1, "logit_scale": 1, "final_logit_softcapping": None}
-"""Config fields by which a *ForCausalLM.forward transforms the logits after its LM head (Granite, Cohere, Gemma 2
-and 3), with the value that leaves them as they are; None does too (MPT's config holds logit_scale=None, which its
-forward never reads)."""
+def _logits_transforms(config) -> dict:
+    """The transforms a *ForCausalLM.forward applies to its LM head's logits, by config field, each as transformers
+    writes it (Granite; MiniCPM3 divides the hidden states instead, the same up to rounding; Cohere; Gemma 2 and 3)."""
+    cap = getattr(config, "final_logit_softcapping", None)
+    return {"logits_scaling": lambda x: x / config.logits_scaling,
+            "logit_scale": lambda x: x * config.logit_scale,
+            "final_logit_softcapping": lambda x: torch.tanh(x / cap) * cap}
+
+
+NEUTRAL = {"logits_scaling": 1, "logit_scale": 1, "final_logit_softcapping": None}
+"""The value of each logit transform's field that leaves the logits as they are; None does too."""
 
 SCORE_ON_ONE_PROCESS = ("training it is not supported; score it on one process (memtrain eval --model without "
                         "torchrun), where transformers' own forward runs")
 
 
-def _refuse_what_the_engine_drops(model, embedding: nn.Embedding) -> None:
+def _around_the_engine(model, embedding: nn.Embedding):
     """The engine replaces the input embedding and the LM head, and its loss reads the base model's hidden states:
-    a lookup its class changes in its own forward (Gemma's scaled embedding) or a transform of the logits after the
-    head would be dropped silently."""
-    name = type(model).__name__
-    for key, neutral in LOGIT_TRANSFORMS.items():
+    what a model does around them in its own forward would be dropped. Returns what the engine's layers must do
+    instead: a transform of the logits (NEUTRAL's fields, where the model's modeling file reads them: MPT's config
+    holds a logit_scale its code never reads) and a transform of the lookup (transformers' scaled embeddings: Gemma,
+    XGLM, BioGPT multiply it by `embed_scale`), each None where there is none. Anything else, or any of these in a
+    model's own (remote) code, is refused."""
+    name, ours = type(model).__name__, type(model).__module__.startswith("transformers.models.")
+    source = inspect.getsource(inspect.getmodule(type(model))) if ours else ""  # the modeling file, helpers too
+    transforms = []
+    for key, neutral in NEUTRAL.items():
         value = getattr(model.config, key, neutral)
-        if value not in (None, neutral):
-            raise ValueError(f"{name}: config.{key}={value!r} transforms the logits after the LM head, which the "
+        if value in (None, neutral) or (ours and key not in source):
+            continue
+        if not ours:
+            raise ValueError(f"{name}: config.{key}={value!r} may transform the logits in its own code, which the "
                              f"engine's vocabulary-parallel loss would skip: {SCORE_ON_ONE_PROCESS}")
-    if type(embedding).forward is not nn.Embedding.forward:
-        raise ValueError(f"{name}: its input embedding {type(embedding).__name__} changes the lookup in its own "
-                         f"forward (e.g. scales it), which the engine's embedding would drop: {SCORE_ON_ONE_PROCESS}")
+        transforms.append(_logits_transforms(model.config)[key])
+    logits_fn = functools.reduce(lambda f, g: lambda x: g(f(x)), transforms) if transforms else None
+    kind = type(embedding)
+    if kind.forward is nn.Embedding.forward:
+        return logits_fn, None
+    scale = getattr(embedding, "scalar_embed_scale", getattr(embedding, "embed_scale", None))
+    if not (kind.__module__.startswith("transformers.models.") and kind.__name__.endswith("ScaledWordEmbedding")
+            and isinstance(scale, (int, float))):
+        raise ValueError(f"{name}: its input embedding {kind.__name__} changes the lookup in its own forward, which "
+                         f"the engine's embedding would drop: {SCORE_ON_ONE_PROCESS}")
+    if isinstance(embedding.embed_scale, torch.Tensor):  # Gemma: a float32 buffer cast to the table's dtype
+        return logits_fn, lambda out: out * torch.tensor(scale, dtype=torch.float32).to(out.dtype)
+    return logits_fn, lambda out: out * scale

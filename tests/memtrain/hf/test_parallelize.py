@@ -21,6 +21,7 @@ Tolerances (fp32):
   ~lr = 1e-2.
 """
 
+import copy
 import multiprocessing as mp
 import os
 import time
@@ -353,22 +354,93 @@ def test_bad_inputs():
         parallelize(model, parallel.Grid(1, 1, 1, 1))
 
 
-@pytest.mark.parametrize("family, kw, message", [
-    ("granite", {"logits_scaling": 8.0}, "config.logits_scaling=8.0 transforms the logits after the LM head"),
-    ("cohere", {}, "config.logit_scale=0.0625 transforms the logits"),
-    ("gemma2", {"head_dim": 8}, "config.final_logit_softcapping=30.0 transforms the logits"),
-    ("gemma", {"head_dim": 8}, "its input embedding GemmaTextScaledWordEmbedding changes the lookup"),
-])
-def test_a_model_whose_forward_transforms_what_the_engine_replaces_is_refused(family, kw, message):
-    """Easy mode runs the base model and its own embedding and LM head: a scaled embedding, scaled or soft-capped
-    logits would be dropped without a word (measured: Granite's loss off by 0.25 nats), so they are refused."""
+AROUND = {  # what each model does around the embedding and LM head the engine replaces, and its config
+    "gemma2": ("a lookup scaled by a float32 buffer, soft-capped logits",
+               dict(vocab_size=63, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                    num_key_value_heads=4, head_dim=8, final_logit_softcapping=3.0)),
+    "granite": ("logits divided by logits_scaling", dict(vocab_size=63, hidden_size=32, intermediate_size=64,
+                num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=4, logits_scaling=8.0)),
+    "cohere": ("logits times logit_scale", dict(vocab_size=64, hidden_size=32, intermediate_size=64,
+               num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=4, logit_scale=0.5)),
+    "minicpm3": ("a scaled lookup, hidden states divided before the head", dict(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=4, q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=4, qk_rope_head_dim=4,
+        v_head_dim=8, dim_model_base=8)),
+    "xglm": ("a lookup scaled by a Python float", dict(vocab_size=64, d_model=32, num_layers=1, attention_heads=4,
+             ffn_dim=64, dropout=0.0, attention_dropout=0.0, activation_dropout=0.0)),
+    "mpt": ("a logit_scale in its config that its forward never reads", dict(vocab_size=64, d_model=32, n_layers=1,
+            n_heads=4, expansion_ratio=2, logit_scale=4.0)),
+}
+
+
+def _around(family, grid=None):
+    """(plain transformers model, its easy-mode ParallelLM with the same weights, a batch)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    cfg = AutoConfig.for_model(family, vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                               num_attention_heads=4, num_key_value_heads=4, **kw)
+    torch.manual_seed(0)
+    ref = AutoModelForCausalLM.from_config(AutoConfig.for_model(family, **AROUND[family][1]))
+    plm = parallelize(copy.deepcopy(ref), grid or parallel.Grid(1, 1, 1, 1), "easy", weights="model")
+    ids, labels = batch(0, ref.config.vocab_size)
+    return ref, plm, ids, labels
+
+
+@pytest.mark.parametrize("family", AROUND)
+def test_what_a_model_does_around_the_replaced_layers_is_carried(family):
+    """The engine replaces the embedding and LM head and reads the base model's hidden states, so a scaled lookup
+    (Gemma, XGLM, MiniCPM3) or transformed logits (Granite, Cohere, Gemma 2 soft-capping) would be dropped: measured,
+    Granite's loss off by 0.25 nats. The engine's layers carry them: per-token losses and every gradient equal the
+    plain model's within 1e-5 relative (fp32: the engine's loss sums in another order, ~1e-7; MiniCPM3 divides the
+    logits where transformers divides the hidden states, the same up to rounding)."""
+    ref, plm, ids, labels = _around(family)
+    want = F.cross_entropy(ref(ids).logits.flatten(0, 1).float(), labels.flatten(), reduction="none").view(B, S)
+    got = plm.token_losses(ids, labels)
+    assert float((got - want).detach().abs().max() / want.detach().abs().max()) < LOSS_TOL
+    want.sum().backward()
+    got.sum().backward()
+    assert _rel_each(full_grads(plm), {k: p.grad for k, p in ref.named_parameters()}) < GRAD_TOL
+
+
+def _around_on_two(rank, world):
+    grid = parallel.Grid(1, 2, 1, 1, rank=rank)  # the vocabulary (63: padded to 64) split over Y
+    grid.build_groups()
+    out = {}
+    for family in ("gemma2", "granite"):
+        ref, plm, ids, labels = _around(family, grid)
+        rows = plm.local_rows(B)
+        with torch.no_grad():
+            want = F.cross_entropy(ref(ids).logits.flatten(0, 1).float(), labels.flatten(), reduction="none")
+            got = plm.token_losses(ids[rows], labels[rows])
+        out[family] = float((got - want.view(B, S)[rows]).abs().max() / want.abs().max())
+    return out
+
+
+def test_logit_transforms_on_a_split_vocabulary():
+    """Soft-capping and scaling act on each vocabulary shard's logits alone, and before the padded rows are masked
+    (a soft-cap would lift their -1e30 to -cap)."""
+    for res in run_ranks(2, _around_on_two):
+        assert all(err < LOSS_TOL for err in res.values()), res
+
+
+class OwnGranite(__import__("transformers").GraniteForCausalLM):
+    """A model's own code (as trust_remote_code loads it): what it does with logits_scaling is unknown."""
+
+
+class OwnScaledWordEmbedding(torch.nn.Embedding):
+    def forward(self, ids):
+        return super().forward(ids) * 2
+
+
+def test_what_the_engine_cannot_carry_is_refused():
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.for_model("granite", **AROUND["granite"][1])
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(cfg)
-    with pytest.raises(ValueError, match=message) as e:
+        model = OwnGranite(cfg)
+    with pytest.raises(ValueError, match="config.logits_scaling=8.0 may transform the logits in its own code"):
+        parallelize(model, parallel.Grid(1, 1, 1, 1), "easy", device="meta")
+    model = tiny("llama", "meta")
+    model.model.embed_tokens = OwnScaledWordEmbedding(128, 64)
+    with pytest.raises(ValueError, match="its input embedding OwnScaledWordEmbedding changes the lookup") as e:
         parallelize(model, parallel.Grid(1, 1, 1, 1), "easy", device="meta")
     assert "score it on one process" in str(e.value)
 
