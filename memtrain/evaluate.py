@@ -38,7 +38,7 @@ from memtrain.config import load as load_config
 from memtrain.data import build_stream
 from memtrain.data.canaries import render_secret
 from memtrain.export import resolve
-from memtrain.files import read_json, write_atomic
+from memtrain.files import read_json, read_jsonl, write_atomic
 from memtrain.hf import GridModel
 from memtrain.model_copy import run_model_name
 from memtrain.models import allow_remote_code, build_model
@@ -310,6 +310,24 @@ def eval_grid(cfg: RunConfig) -> parallel.Grid:
 
 
 def _check_stream(run_dir: Path, info: dict, stream) -> None:
-    if info.get("stream_key") != stream.key:
-        raise ValueError(f"{str(run_dir)!r} was trained on another stream (tokenizer or data changed): "
-                         "evaluate with the data and tokenizer it was trained with")
+    """The rebuilt stream must be the one the run trained on: the same key, or, where a newer memtrain keys streams
+    by more than it did (the key names every setting a stream depends on, and grows), the same corpus content and the
+    same canaries, twins and placements as the run's manifest recorded: all that its evaluation reads."""
+    if info.get("stream_key") == stream.key:
+        return
+    recorded = info.get("corpus", {}).get("fingerprint") if isinstance(info.get("corpus"), dict) else None
+    if recorded is not None and recorded == stream.corpus["fingerprint"] and _placed(
+            read_jsonl(run_dir / MANIFEST, quiet=True)) == _placed([c.to_dict() for c in stream.canaries]):
+        note(f"{str(run_dir)!r}: its stream's key predates this memtrain's; its corpus and canaries are the ones it "
+             "trained on")
+        return
+    raise ValueError(f"{str(run_dir)!r} was trained on another stream (tokenizer or data changed): "
+                     "evaluate with the data and tokenizer it was trained with")
+
+
+def _placed(canaries: list[dict]) -> list[dict]:
+    """Canary records as JSON holds them, without the step and rank of each copy (which follow the grid)."""
+    out = json.loads(json.dumps(canaries))
+    for c in out:
+        c["placements"] = [{k: v for k, v in p.items() if k not in ("step", "dp_rank")} for p in c["placements"]]
+    return out

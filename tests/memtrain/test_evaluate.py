@@ -21,6 +21,7 @@
 import copy
 import json
 import os
+import shutil
 import sysconfig
 from pathlib import Path
 
@@ -212,3 +213,27 @@ def test_an_earlier_checkpoint_is_scored_apart_with_the_copies_trained_by_its_st
                                                               .read_text().splitlines()))  # some come later
     other = tiny_run.out / "checkpoints" / "step_000006"
     refused(memtrain("eval", run, "--checkpoint", other, "--out", tmp_path / "x"), "is not one of")
+
+
+def test_a_run_whose_stream_key_predates_this_memtrain_is_evaluated_if_its_canaries_are_the_same(tiny_run, tmp_path):
+    """A stream's key grows when memtrain keys streams by more settings (such as the unique_against corpus's
+    content), and the runs trained before then would be refused as "another stream". Their corpus fingerprint
+    (run.json) and manifest (every canary, twin and placement) say whether the rebuilt stream is the one they
+    trained on: then they are evaluated, with a note; a changed canary or corpus is still refused."""
+    run = tmp_path / "run"
+    shutil.copytree(tiny_run.out, run)
+    info = json.loads((run / "run.json").read_text())
+    (run / "run.json").write_text(json.dumps(dict(info, stream_key="an older key")))
+    r = memtrain("eval", run, "--set", "eval.exposure_samples=16", "--out", tmp_path / "again")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "its stream's key predates this memtrain's" in r.stderr
+    assert json.loads((tmp_path / "again" / "eval.json").read_text())["n"] == json.loads(
+        (run / "eval.json").read_text())["n"]
+    manifest = [json.loads(line) for line in (run / "canaries.jsonl").read_text().splitlines()]
+    manifest[0]["token_ids"][-1] += 1
+    (run / "canaries.jsonl").write_text("".join(json.dumps(c) + "\n" for c in manifest))
+    refused(memtrain("eval", run, "--out", tmp_path / "x"), "was trained on another stream")
+    shutil.copy(tiny_run.out / "canaries.jsonl", run / "canaries.jsonl")
+    corpus = dict(info["corpus"], fingerprint="0" * 64)
+    (run / "run.json").write_text(json.dumps(dict(info, stream_key="an older key", corpus=corpus)))
+    refused(memtrain("eval", run, "--out", tmp_path / "y"), "was trained on another stream")
