@@ -9,7 +9,8 @@
 from memtrain.data.canaries import Canary, Placement, render_secret
 from memtrain.data.config import CanaryConfig, DataConfig
 from memtrain.data.corpus import Corpus, Document, load_corpus
-from memtrain.data.stream import TrainStream, build_stream, document_positions, locate, occurrences
+from memtrain.data.packing import document_positions, locate, occurrences
+from memtrain.data.stream import TrainStream, build_stream
 from memtrain.data.tokenizer import load_tokenizer, train_bpe, vocab_size
 
 __all__ = [
