@@ -30,9 +30,11 @@ IGNORE_INDEX = -100
 
 def check_in_range(ids: torch.Tensor, high: int, what: str, fix: str) -> None:
     """Refuse ids outside [0, high) (IGNORE_INDEX aside for labels), as torch's own lookup and loss do: a sharded
-    table would embed an id no shard holds as zeros, and the vocabulary-parallel loss would score a label no shard
-    holds as if its logit were 0, both silently. Asynchronous on a GPU (a device-side assert, as torch's), so it
-    costs no host sync."""
+    table would embed an id no shard holds (or a padding row's) as zeros, and the vocabulary-parallel loss would
+    score such a label as if its logit were 0, both silently. Asynchronous on a GPU, so it costs no host sync: there,
+    as with torch's own lookup, it is a device-side assert (the message goes to the kernel's output and Python sees
+    the assert at its next sync). A backstop for the engine's callers: memtrain checks that a tokenizer fits its
+    model before training."""
     ok = (ids >= 0) & (ids < high)
     if what == "label":
         ok |= ids == IGNORE_INDEX
@@ -79,12 +81,12 @@ class Embedding(ShardedWeight):
     """Token embedding with the table sharded over (Y: vocabulary, X: hidden, Z: flat).
 
     `padding_idx` has torch's meaning: that row gets no gradient from the lookup (a tied LM head still
-    trains it, as in HF).
+    trains it, as in HF). `valid`: ids >= valid are vocabulary padding (see `padded_vocab`), refused as input.
     """
 
     def __init__(self, num_embeddings: int, embedding_dim: int, *, padding_idx: int | None = None,
-                 mode: str = "easy", grid: Grid | None = None, init_std: float = 0.02, seed: int = 0,
-                 name: str = "embedding", device=None, dtype=None):
+                 valid: int | None = None, mode: str = "easy", grid: Grid | None = None, init_std: float = 0.02,
+                 seed: int = 0, name: str = "embedding", device=None, dtype=None):
         super().__init__()
         check_sizes(name, num_embeddings=num_embeddings, embedding_dim=embedding_dim)
         if padding_idx is not None:
@@ -94,6 +96,7 @@ class Embedding(ShardedWeight):
             # As torch's nn.Embedding: the sharded path compares ids with it, where -1 would match no token id
             padding_idx %= num_embeddings
         self.num_embeddings, self.embedding_dim, self.padding_idx = num_embeddings, embedding_dim, padding_idx
+        self.valid = num_embeddings if valid is None else valid
         layout = BlockLayout(num_embeddings, embedding_dim, row_axis="y", col_axis="x")
         self._init_weight(layout, in_axis="y", out_axis="x", mode=mode, grid=grid, init_std=init_std, seed=seed,
                           name=name, device=device, dtype=dtype)
@@ -103,7 +106,7 @@ class Embedding(ShardedWeight):
             return F.embedding(ids, self.weight.view(self.num_embeddings, self.embedding_dim), self.padding_idx)
         lead = ids.shape
         flat = ids.reshape(-1)
-        check_in_range(flat, self.num_embeddings, "token id", "use a tokenizer that fits the model")
+        check_in_range(flat, self.valid, "token id", "use a tokenizer that fits the model")
         if self.mode == "easy":
             flat = comm.all_gather(flat, self.grid, self.in_axis)
         out = _EmbedFn.apply(flat, self.weight, self)

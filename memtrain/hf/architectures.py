@@ -258,17 +258,23 @@ def architecture_of(config) -> Architecture:
     return ARCHITECTURES.get(config.model_type, GENERIC)
 
 
-def _logits_transforms(config) -> dict:
-    """The transforms a *ForCausalLM.forward applies to its LM head's logits, by config field, each as transformers
-    writes it (Granite; MiniCPM3 divides the hidden states instead, the same up to rounding; Cohere; Gemma 2 and 3)."""
-    cap = getattr(config, "final_logit_softcapping", None)
-    return {"logits_scaling": lambda x: x / config.logits_scaling,
-            "logit_scale": lambda x: x * config.logit_scale,
-            "final_logit_softcapping": lambda x: torch.tanh(x / cap) * cap}
+LOGIT_TRANSFORMS = {
+    **dict.fromkeys(("granite", "granite_swa", "granitemoe", "granitemoe_swa", "granitemoehybrid",
+                     "granitemoeshared", "minicpm3"), ("logits_scaling", "divide")),
+    "hyperclovax": ("logits_scaling", "multiply"),
+    **dict.fromkeys(("cohere", "cohere2", "cohere2_moe"), ("logit_scale", "multiply")),
+    **dict.fromkeys(("gemma2", "gemma3_text", "vaultgemma", "nanochat"), ("final_logit_softcapping", "softcap")),
+    "falcon_h1": ("lm_head_multiplier", "multiply"),
+}
+"""What a *ForCausalLM.forward does to its LM head's logits, per model type, read off transformers' modeling files
+(MiniCPM3 divides the hidden states instead: the same up to rounding). The same field means another operation in
+another family (Granite divides by logits_scaling, HyperCLOVA X multiplies), so only these are carried."""
 
-
-NEUTRAL = {"logits_scaling": 1, "logit_scale": 1, "final_logit_softcapping": None}
+NEUTRAL = {"logits_scaling": 1, "logit_scale": 1, "final_logit_softcapping": None, "lm_head_multiplier": 1}
 """The value of each logit transform's field that leaves the logits as they are; None does too."""
+
+OPERATIONS = {"divide": lambda x, v: x / v, "multiply": lambda x, v: x * v,
+              "softcap": lambda x, v: torch.tanh(x / v) * v}
 
 SCORE_ON_ONE_PROCESS = ("training it is not supported; score it on one process (memtrain eval --model without "
                         "torchrun), where transformers' own forward runs")
@@ -277,22 +283,25 @@ SCORE_ON_ONE_PROCESS = ("training it is not supported; score it on one process (
 def _around_the_engine(model, embedding: nn.Embedding):
     """The engine replaces the input embedding and the LM head, and its loss reads the base model's hidden states:
     what a model does around them in its own forward would be dropped. Returns what the engine's layers must do
-    instead: a transform of the logits (NEUTRAL's fields, where the model's modeling file reads them: MPT's config
-    holds a logit_scale its code never reads) and a transform of the lookup (transformers' scaled embeddings: Gemma,
-    XGLM, BioGPT multiply it by `embed_scale`), each None where there is none. Anything else, or any of these in a
-    model's own (remote) code, is refused."""
-    name, ours = type(model).__name__, type(model).__module__.startswith("transformers.models.")
-    source = inspect.getsource(inspect.getmodule(type(model))) if ours else ""  # the modeling file, helpers too
-    transforms = []
+    instead: a transform of the logits (LOGIT_TRANSFORMS) and a transform of the lookup (transformers' scaled
+    embeddings: Gemma, XGLM, BioGPT, MiniCPM3 multiply it by `embed_scale`), each None where there is none. A
+    transform field with another value than NEUTRAL's is refused unless its family is in LOGIT_TRANSFORMS, or is
+    transformers' own and its modeling file never reads it (MPT's config holds a logit_scale its code ignores);
+    so is any other custom embedding."""
+    name, cfg = type(model).__name__, model.config
+    ours = type(model).__module__.startswith("transformers.models.")
+    logits_fn = None
     for key, neutral in NEUTRAL.items():
-        value = getattr(model.config, key, neutral)
-        if value in (None, neutral) or (ours and key not in source):
+        value = getattr(cfg, key, neutral)
+        if value in (None, neutral):
             continue
-        if not ours:
-            raise ValueError(f"{name}: config.{key}={value!r} may transform the logits in its own code, which the "
-                             f"engine's vocabulary-parallel loss would skip: {SCORE_ON_ONE_PROCESS}")
-        transforms.append(_logits_transforms(model.config)[key])
-    logits_fn = functools.reduce(lambda f, g: lambda x: g(f(x)), transforms) if transforms else None
+        field, operation = LOGIT_TRANSFORMS.get(cfg.model_type, (None, None))
+        if ours and field == key:
+            logits_fn = functools.partial(OPERATIONS[operation], v=value)
+        elif not ours or _reads(model, key):
+            raise ValueError(f"{name}: config.{key}={value!r} transforms the logits after the LM head in a way the "
+                             f"engine does not know, and its vocabulary-parallel loss would skip it: "
+                             f"{SCORE_ON_ONE_PROCESS}")
     kind = type(embedding)
     if kind.forward is nn.Embedding.forward:
         return logits_fn, None
@@ -304,3 +313,12 @@ def _around_the_engine(model, embedding: nn.Embedding):
     if isinstance(embedding.embed_scale, torch.Tensor):  # Gemma: a float32 buffer cast to the table's dtype
         return logits_fn, lambda out: out * torch.tensor(scale, dtype=torch.float32).to(out.dtype)
     return logits_fn, lambda out: out * scale
+
+
+def _reads(model, key: str) -> bool:
+    """Whether the file that defines the model's class mentions config field `key` (True where it cannot be read:
+    refused rather than guessed)."""
+    try:
+        return key in inspect.getsource(inspect.getmodule(type(model)))
+    except (OSError, TypeError):
+        return True

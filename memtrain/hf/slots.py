@@ -328,7 +328,8 @@ class Builder:
         old = self.model.get_submodule(path)
         vocab, hidden = old.weight.shape
         emb = parallel.Embedding(parallel.padded_vocab(vocab, hidden, self.grid), hidden,
-                                 padding_idx=getattr(old, "padding_idx", None), mode=self.mode, grid=self.grid,
+                                 padding_idx=getattr(old, "padding_idx", None), valid=vocab, mode=self.mode,
+                                 grid=self.grid,
                                  name=path, device="meta", dtype=self.dtype)
         self.replace(path, emb)
         key = path + ".weight"

@@ -216,15 +216,17 @@ def test_a_negative_padding_idx_counts_from_the_end_on_a_sharded_grid():
 
 def _range_worker(rank, world):
     """Per mode: the error of an embedding lookup and of the loss, given an id or a label outside [0, VOCAB)."""
-    grid = parallel.Grid(1, 2, 1, 1, rank=rank)  # the vocabulary split over Y
+    grid = parallel.Grid(1, 1, 2, 1, rank=rank)  # the vocabulary split over Y
     grid.build_groups()
     out = {}
     for mode in MODES:
         emb = parallel.Embedding(VOCAB, HID, mode=mode, grid=grid, seed=4, name="emb")
+        padded = parallel.Embedding(VOCAB, HID, valid=VOCAB - 8, mode=mode, grid=grid, seed=4, name="padded")
         head = parallel.LMHead(HID, VOCAB, valid=VOCAB - 8, mode=mode, grid=grid, seed=5, name="head")
         hidden = torch.zeros(2, HID if mode == "easy" else HID // grid.x)
         errors = []
         for call, *args in ((emb, torch.tensor([[1, VOCAB]])), (emb, torch.tensor([[-2, 1]])),
+                            (padded, torch.tensor([[1, VOCAB - 8]])),
                             (head.loss, hidden, torch.tensor([1, VOCAB - 8])),
                             (head.scores, hidden, torch.tensor([1, VOCAB + 5]))):
             try:
@@ -233,6 +235,7 @@ def _range_worker(rank, world):
             except RuntimeError as e:
                 errors.append(str(e))
         head.loss(hidden, torch.tensor([VOCAB - 9, parallel.embedding.IGNORE_INDEX]))  # the edges are fine
+        padded(torch.tensor([[0, VOCAB - 9]]))
         out[mode] = errors
     grid.release_groups()
     return out
@@ -241,8 +244,9 @@ def _range_worker(rank, world):
 def test_ids_and_labels_outside_the_vocabulary_are_refused_as_torch_refuses_them():
     """One rank's F.embedding and F.cross_entropy refuse an id or label outside the vocabulary; on a vocabulary split
     over Y no shard holds it, and the lookup gave zeros and the loss scored it as a logit of 0, without a word.
-    Labels in the padding rows (valid <= label < padded vocabulary) are refused too."""
+    Ids and labels in the padding rows (valid <= id < padded vocabulary) are refused too."""
     ids = f"a token id outside the model's vocabulary [0, {VOCAB}): use a tokenizer that fits the model"
+    pad = f"a token id outside the model's vocabulary [0, {VOCAB - 8}): use a tokenizer that fits the model"
     labels = f"a label outside the model's vocabulary [0, {VOCAB - 8}): use labels below {VOCAB - 8} or -100 (ignored)"
     for res in run_ranks(2, _range_worker, timeout=60):
-        assert res == {mode: [ids, ids, labels, labels] for mode in MODES}
+        assert res == {mode: [ids, ids, pad, labels, labels] for mode in MODES}

@@ -360,6 +360,13 @@ AROUND = {  # what each model does around the embedding and LM head the engine r
                     num_key_value_heads=4, head_dim=8, final_logit_softcapping=3.0)),
     "granite": ("logits divided by logits_scaling", dict(vocab_size=63, hidden_size=32, intermediate_size=64,
                 num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=4, logits_scaling=8.0)),
+    "hyperclovax": ("logits times logits_scaling (Granite's field, the other way)", dict(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=4, logits_scaling=4.0)),
+    "falcon_h1": ("logits times lm_head_multiplier", dict(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=4, lm_head_multiplier=4.0, mamba_d_ssm=32, mamba_n_heads=4, mamba_d_head=8,
+        mamba_d_state=8)),
     "cohere": ("logits times logit_scale", dict(vocab_size=64, hidden_size=32, intermediate_size=64,
                num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=4, logit_scale=0.5)),
     "minicpm3": ("a scaled lookup, hidden states divided before the head", dict(
@@ -387,10 +394,10 @@ def _around(family, grid=None):
 @pytest.mark.parametrize("family", AROUND)
 def test_what_a_model_does_around_the_replaced_layers_is_carried(family):
     """The engine replaces the embedding and LM head and reads the base model's hidden states, so a scaled lookup
-    (Gemma, XGLM, MiniCPM3) or transformed logits (Granite, Cohere, Gemma 2 soft-capping) would be dropped: measured,
-    Granite's loss off by 0.25 nats. The engine's layers carry them: per-token losses and every gradient equal the
-    plain model's within 1e-5 relative (fp32: the engine's loss sums in another order, ~1e-7; MiniCPM3 divides the
-    logits where transformers divides the hidden states, the same up to rounding)."""
+    (Gemma, XGLM, MiniCPM3) or transformed logits (Granite, HyperCLOVA X, Falcon-H1, Cohere, Gemma 2 soft-capping)
+    would be dropped: measured, Granite's loss off by 0.25 nats. The engine's layers carry them: per-token losses
+    and every gradient equal the plain model's within 1e-5 relative (fp32: the engine's loss sums in another order,
+    ~1e-7; MiniCPM3 divides the logits where transformers divides the hidden states, the same up to rounding)."""
     ref, plm, ids, labels = _around(family)
     want = F.cross_entropy(ref(ids).logits.flatten(0, 1).float(), labels.flatten(), reduction="none").view(B, S)
     got = plm.token_losses(ids, labels)
@@ -401,7 +408,7 @@ def test_what_a_model_does_around_the_replaced_layers_is_carried(family):
 
 
 def _around_on_two(rank, world):
-    grid = parallel.Grid(1, 2, 1, 1, rank=rank)  # the vocabulary (63: padded to 64) split over Y
+    grid = parallel.Grid(1, 1, 2, 1, rank=rank)  # the vocabulary (63: padded to 64) split over Y
     grid.build_groups()
     out = {}
     for family in ("gemma2", "granite"):
@@ -436,7 +443,7 @@ def test_what_the_engine_cannot_carry_is_refused():
     cfg = AutoConfig.for_model("granite", **AROUND["granite"][1])
     with torch.device("meta"):
         model = OwnGranite(cfg)
-    with pytest.raises(ValueError, match="config.logits_scaling=8.0 may transform the logits in its own code"):
+    with pytest.raises(ValueError, match="config.logits_scaling=8.0 transforms the logits after the LM head in a way"):
         parallelize(model, parallel.Grid(1, 1, 1, 1), "easy", device="meta")
     model = tiny("llama", "meta")
     model.model.embed_tokens = OwnScaledWordEmbedding(128, 64)
