@@ -149,14 +149,16 @@ def split_ids(tok, prefix: str, suffix: str) -> tuple[list[int], int]:
         n = next((i for i, (a, b) in enumerate(zip(ids, own)) if a != b), min(len(ids), len(own)))
         # The suffix can re-cut the prefix's last word (" se" "cr" alone, " sec" "ret" whole): tokens past the ids
         # the sides share still belong to the prompt while they decode inside the prefix, decoded too (a normalizing
-        # tokenizer's text is not the prefix's).
+        # tokenizer's text is not the prefix's). A token must add a whole character: a byte-level tokenizer's part
+        # of one decodes to U+FFFD (BPE) or to nothing (ByT5), and the rest may be the suffix's.
         said = tok.decode(own, clean_up_tokenization_spaces=False)
+        kept = tok.decode(ids[:n], clean_up_tokenization_spaces=False)
         for k in range(n + 1, len(ids) + 1):
             head = tok.decode(ids[:k], clean_up_tokenization_spaces=False)
             if len(head) > len(said):
                 break
-            if said.startswith(head):  # else a character cut between tokens (U+FFFD) that the next one completes
-                n = k
+            if len(head) > len(kept) and said.startswith(head):
+                n, kept = k, head
         return ids, n
     enc = tok(text, add_special_tokens=False, split_special_tokens=True, return_offsets_mapping=True)
     ids, spans = enc["input_ids"], enc["offset_mapping"]

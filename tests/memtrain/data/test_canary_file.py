@@ -184,6 +184,18 @@ def test_a_slow_tokenizer_cuts_where_the_fast_one_does(tmp_path):
                                                                                             text[cut:]), cut
 
 
+def test_a_byte_tokenizer_never_cuts_a_character_into_the_prompt():
+    """ByT5 (slow only) decodes a character's first bytes to nothing: they decoded 'inside the prefix', and the
+    prompt took them, leaving the suffix a broken character ('caf' + 'é au lait': 4 prompt bytes, the target
+    ' au lait')."""
+    from transformers import ByT5Tokenizer
+
+    tok = ByT5Tokenizer()
+    for prefix, suffix in (("caf", "é au lait"), ("東", "京"), ("the secr", "et")):
+        ids, n = canary_file.split_ids(tok, prefix, suffix)
+        assert (tok.decode(ids[:n]), tok.decode(ids[n:])) == (prefix, suffix)
+
+
 TWIN_ROW = {"id": "vault", "prefix": "The vault opens with", "suffix": " 7731-0042 on Tuesdays, said Ann Lee."}
 
 
