@@ -58,16 +58,21 @@ def _sync_dir(path: str | os.PathLike) -> None:
         os.close(fd)
 
 
+def sync_file(path: str | os.PathLike) -> None:
+    """fsync a file another writer closed (safetensors, save_pretrained: they sync nothing). On a file system shared
+    between nodes, only the node that wrote a file flushes it: each writer syncs its own."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def _sync_tree(root: Path) -> None:
-    """fsync every file and directory under `root`, `root` last: its files were written by others (safetensors,
-    save_pretrained), which sync nothing."""
+    """fsync every file and directory under `root`, `root` last."""
     for folder, _, files in os.walk(root, topdown=False):
         for name in files:
-            fd = os.open(os.path.join(folder, name), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            sync_file(os.path.join(folder, name))
         _sync_dir(folder)
 
 

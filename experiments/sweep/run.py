@@ -164,7 +164,9 @@ def _run_points(spec: Spec, points: list[Point], out: Path, *, overrides, resume
             config = dict(dataclasses.asdict(spec), overrides=overrides or [])
             summary["report"] = _report(out, points[0].cfg if points else None, config, log)
         else:  # build_report refuses it: its figures and tables would all be empty
-            log(f"no report: no point in {results} succeeded")
+            earlier = " (the report.md there is an earlier draw's, of results since failed)" if (
+                out / "report.md").is_file() else ""
+            log(f"no report: no point in {results} succeeded{earlier}")
     if not pending:  # a run still in flight would be uploaded half-written
         _say_sync(out, bases.pretrained, log)
     return summary

@@ -22,7 +22,11 @@ MASK_FORMATS = {"sdpa": "bool", "eager": "additive"}
 def block_causal_mask(position_ids: torch.Tensor, attn_implementation: str, dtype: torch.dtype) -> torch.Tensor:
     """The [b, 1, S, S] mask in which each token sees the earlier tokens of its own document: a document starts
     wherever a position does not follow the one before it. In the format `attn_implementation` adds or selects by
-    (MASK_FORMATS); additive masks in `dtype`, the dtype of the model's hidden states."""
+    (MASK_FORMATS); additive masks in `dtype`, the parameters' (transformers builds its own in the dtype of the
+    embeddings' output, which autocast leaves in the parameters')."""
+    if attn_implementation not in MASK_FORMATS:  # it changed since isolate_documents chose this mask
+        raise ValueError(f"document attention by a block-causal mask needs attn_implementation sdpa or eager, not "
+                         f"{attn_implementation!r}: set it back, or data.document_attention=false")
     starts = torch.ones_like(position_ids, dtype=torch.bool)
     starts[:, 1:] = position_ids[:, 1:] != position_ids[:, :-1] + 1
     document = starts.cumsum(-1)

@@ -42,7 +42,7 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 
 import parallel
-from memtrain.files import replace_dir, respect_umask, write_atomic
+from memtrain.files import replace_dir, respect_umask, sync_file, write_atomic
 from memtrain.hf.slots import Source
 from memtrain.run_files import CHECKPOINTS, LATEST
 
@@ -135,6 +135,7 @@ def _save_file(tensors: dict, path: Path, shapes: dict) -> None:
             raise
         raise OSError(int(code.group(1)), os.strerror(int(code.group(1))), str(path)) from None
     respect_umask(path)
+    sync_file(path)  # by the rank that wrote it: rank 0's sync of the directory would not flush another node's
 
 
 def _masters(opt) -> dict:

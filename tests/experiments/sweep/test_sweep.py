@@ -76,6 +76,10 @@ def test_a_sweep_whose_every_point_failed_draws_no_report(env, capsys, monkeypat
                            f"their logs are in {out}/<point>/, their errors in {out / 'results.jsonl'}; --resume "
                            "retries them\n")
     assert (out / "ladder-1m_standard" / "stderr.log").is_file()
+    (out / "report.md").write_text("an earlier draw")  # as a sweep that once succeeded left it
+    assert cli.main([str(env["spec"]), "--out", str(out), "--runner", env["runner"], "--only", "ladder-1m_",
+                     "--resume"]) == 1
+    assert "(the report.md there is an earlier draw's, of results since failed)" in capsys.readouterr().out
 
 
 def test_resume_after_kill_runs_only_missing_points(env):

@@ -32,6 +32,8 @@ def test_block_causal_mask_lets_each_token_see_its_own_documents_past():
     additive = block_causal_mask(positions, "eager", torch.bfloat16)
     assert additive.dtype == torch.bfloat16
     assert torch.equal(additive == 0, want) and (additive[~want] == torch.finfo(torch.bfloat16).min).all()
+    with pytest.raises(ValueError, match="needs attn_implementation sdpa or eager, not 'flash_attention_2'"):
+        block_causal_mask(positions, "flash_attention_2", torch.float32)  # changed after isolate_documents
 
 
 @pytest.mark.parametrize("impl", ["sdpa", "eager"])
