@@ -94,12 +94,12 @@ ATTENTION_KERNELS = 11
 """Around SDPA: q, k and v to heads, the output back to rows (a copy), and their gradients."""
 ROTARY_KERNELS = 16
 """Rotary embedding of q and k (products with cos and sin, rotate_half's negation and concatenation), and backward."""
-END_KERNELS = 67
-"""Per micro-batch outside the blocks, the final norm and the embedding: rotary's tables, the LM head's loss and
-its sums."""
-EMBEDDING_KERNELS = {False: 13, True: 2}
-"""Whether the grid has no tensor parallelism -> the embedding's kernels: the engine's lookup, or torch's
-(parallel/embedding.py)."""
+END_KERNELS = 74
+"""Per micro-batch outside the blocks, the final norm and the embedding: rotary's tables, the LM head's loss (7 of
+them check its labels' range) and its sums."""
+EMBEDDING_KERNELS = {False: 18, True: 2}
+"""Whether the grid has no tensor parallelism -> the embedding's kernels: the engine's lookup (5 of them check the
+ids' range), or torch's (parallel/embedding.py)."""
 
 
 @dataclass
