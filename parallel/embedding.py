@@ -28,16 +28,16 @@ from .sharding import BlockLayout, check_sizes, tag
 IGNORE_INDEX = -100
 
 
-def check_in_range(ids: torch.Tensor, high: int, what: str, fix: str) -> None:
-    """Refuse ids outside [0, high) (IGNORE_INDEX aside for labels), as torch's own lookup and loss do: a sharded
-    table would embed an id no shard holds (or a padding row's) as zeros, and the vocabulary-parallel loss would
-    score such a label as if its logit were 0, both silently. Asynchronous on a GPU, so it costs no host sync: there,
-    as with torch's own lookup, it is a device-side assert (the message goes to the kernel's output and Python sees
-    the assert at its next sync). A backstop for the engine's callers: memtrain checks that a tokenizer fits its
-    model before training."""
+def check_in_range(ids: torch.Tensor, high: int, what: str, fix: str, ignored: int | None = None) -> None:
+    """Refuse ids outside [0, high) but `ignored` (a label's IGNORE_INDEX), as torch's own lookup and loss do: a
+    sharded table would embed an id no shard holds (or a padding row's) as zeros, and the vocabulary-parallel loss
+    would score such a label as if its logit were 0, both silently. Asynchronous on a GPU, so it costs no host
+    sync: there, as with torch's own lookup, it is a device-side assert (the message goes to the kernel's output and
+    Python sees the assert at its next sync). A backstop for the engine's callers: memtrain checks that a tokenizer
+    fits its model before training."""
     ok = (ids >= 0) & (ids < high)
-    if what == "label":
-        ok |= ids == IGNORE_INDEX
+    if ignored is not None:
+        ok |= ids == ignored
     torch._assert_async(ok.all(), f"a {what} outside the model's vocabulary [0, {high}): {fix}")
 
 
@@ -250,7 +250,8 @@ class LMHead(ShardedWeight):
     def loss(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         lead = labels.shape
         labels = labels.reshape(-1)
-        check_in_range(labels, self.valid, "label", f"use labels below {self.valid} or {IGNORE_INDEX} (ignored)")
+        check_in_range(labels, self.valid, "label", f"use labels below {self.valid} or {IGNORE_INDEX} (ignored)",
+                       IGNORE_INDEX)
         logits = self.logits(hidden)
         if self.mode == "easy":
             labels = comm.all_gather(labels, self.grid, self.out_axis)
@@ -281,7 +282,8 @@ class LMHead(ShardedWeight):
         """fn(logits, labels) -> per-token tensors [N] of the logits' rows, returned in the caller's row layout."""
         lead = labels.shape
         labels = labels.reshape(-1)
-        check_in_range(labels, self.valid, "label", f"use labels below {self.valid} or {IGNORE_INDEX} (ignored)")
+        check_in_range(labels, self.valid, "label", f"use labels below {self.valid} or {IGNORE_INDEX} (ignored)",
+                       IGNORE_INDEX)
         logits = self.logits(hidden)
         if self.mode == "easy":
             labels = comm.all_gather(labels, self.grid, self.out_axis)
