@@ -210,7 +210,7 @@ def build_stream(data_cfg: DataConfig, canary_cfg: CanaryConfig | None = None, s
         spec["canaries_file_texts_held"] = True  # streams before it trained documents holding a file's texts
         spec["canaries_file_whole_text"] = True  # before it, prefix and suffix were tokenized apart
         if not getattr(tok, "is_fast", False):
-            spec["canaries_file_slow_cut"] = 2  # the cut without offsets: decoded whole characters since 2
+            spec["canaries_file_slow_cut"] = True  # without offsets, a cut into whole characters since then
     if avoided is not None:  # as for the file: its path alone keeps the key when edited text draws other canaries
         spec["unique_against_corpus"] = avoided.fingerprint
     if batch_size > 1:  # batch 1 keeps the keys streams had before rows were rounded

@@ -329,8 +329,7 @@ class Builder:
         vocab, hidden = old.weight.shape
         emb = parallel.Embedding(parallel.padded_vocab(vocab, hidden, self.grid), hidden,
                                  padding_idx=getattr(old, "padding_idx", None), valid=vocab, mode=self.mode,
-                                 grid=self.grid,
-                                 name=path, device="meta", dtype=self.dtype)
+                                 grid=self.grid, name=path, device="meta", dtype=self.dtype)
         self.replace(path, emb)
         key = path + ".weight"
         self.slots.append(MatrixSlot(key, emb, std=self.std_of(key), valid=vocab, zero_row=emb.padding_idx))

@@ -47,7 +47,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 import parallel
-from memtrain.config import ParallelConfig, RunConfig
+from memtrain.config import RunConfig
 from memtrain.plan import cost
 from memtrain.plan.fake import DryMode, SavedTensors, to_fake
 from memtrain.plan.network import Network
@@ -134,12 +134,6 @@ class DryRun:
 # The run.
 
 
-DEFAULT_GRAD_SYNC = ParallelConfig.grad_sync
-"""The gradient sync the dry run runs unless told (PlanConfig.grad_sync's default): the trainer's default
-(parallel.grad_sync), whose buckets cost.gradient_buckets cuts as parallel.GradSync does; "blocking" (one flat
-all-reduce per set of reduce axes) is modelled too."""
-
-
 def _checked(cfg: PlanConfig, grid: tuple[int, ...]):
     """(config, mode, shape) of cfg's model; ValueError when the grid cannot run it (cost.check's rules)."""
     config = load_config(cfg.model)
@@ -167,7 +161,8 @@ def choose_micro(cfg: PlanConfig, grid: tuple[int, ...], net: Network | None) ->
 def dry_run(cfg: PlanConfig, grid: tuple[int, int, int, int], *, rank: int = 0, overlap: bool = True,
             grad_sync: str | None = None, steps: int = 1) -> DryRun:
     """One optimizer step of `cfg` on `grid` (data, x, y, z) as rank `rank` of a fake world; see the module
-    docstring. cfg.micro_batch must be set (choose_micro); grad_sync None is cfg.grad_sync. `steps` > 1
+    docstring. cfg.micro_batch must be set (choose_micro); grad_sync None is cfg.grad_sync (the trainer's default,
+    whose buckets cost.gradient_buckets cuts as parallel.GradSync does, or "blocking"). `steps` > 1
     runs that many steps and measures the last: the overlapped sync cuts its buckets in reverse registration
     order on the first step, then in the order the first backward made the gradients final (predicted as such)."""
     import torch.distributed as dist
@@ -321,4 +316,4 @@ def to_json(run: DryRun) -> dict:
     }
 
 
-__all__ = ["Check", "DryRun", "Record", "DEFAULT_GRAD_SYNC", "choose_micro", "dry_run", "header", "table", "to_json"]
+__all__ = ["Check", "DryRun", "Record", "choose_micro", "dry_run", "header", "table", "to_json"]
