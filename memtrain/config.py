@@ -123,8 +123,9 @@ class TrainConfig:
     compile: bool = False
     """torch.compile each transformer block for training (ParallelLM.compile_blocks): its norms, rotary embedding,
     activation and residual adds fuse into fewer kernels; evaluation stays eager. The first steps pay the
-    compilation (seconds to a minute), and results differ from eager ones by rounding only. Needs a grid without
-    tensor parallelism (parallel.x = y = z = 1; data parallelism is fine) and parallel.tune_matmul off."""
+    compilation (seconds to a minute), and results differ from eager ones by rounding only. Under tensor
+    parallelism or parallel.tune_matmul the engine's Linears and collectives run eagerly between the compiled
+    pieces of a block."""
     optimizer_offload: bool = False
     """Keep the AdamW moments and fp32 master weights in host memory (pinned on CUDA) and run the update there,
     bucket by bucket as the gradient all-reduce completes. Device memory per parameter falls from 16 bytes

@@ -293,6 +293,12 @@ class Linear(ShardedWeight):
         if self.torch_product(x.device):  # the bias added apart, as on a sharded grid
             y = whole_linear(x, self.weight.view(self.out_features, self.in_features))
             return y if self.bias is None else y + self.bias.to(y.dtype)
+        return self._grid_forward(x)
+
+    # torch.compile cannot trace collectives that autograd Functions run in place, nor GEMMs timed in Python:
+    # compiled code around this layer runs it eagerly, a graph break on either side (hf.ParallelLM.compile_blocks).
+    @torch.compiler.disable
+    def _grid_forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         x2 = x.reshape(-1, x.shape[-1])
         if self.mode == "easy":

@@ -96,7 +96,7 @@ import torch  # noqa: E402
 import parallel  # noqa: E402
 from experiments.bench.common import load_average, machine, paired_ratio, rel_diff, write_json  # noqa: E402
 from memtrain.config import RunConfig  # noqa: E402
-from memtrain.hf.parallelize import transformer_blocks  # noqa: E402
+from memtrain.hf.blocks import transformer_blocks  # noqa: E402
 from memtrain.models import build_model  # noqa: E402
 from memtrain.training import build_schedule, train  # noqa: E402
 from memtrain.training.perf import Peak, flops_per_token, matmul_peak_flops, mfu_peak  # noqa: E402

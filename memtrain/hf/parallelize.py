@@ -26,7 +26,6 @@ take exactly zero probability and the loss equals the unpadded model's.
 from __future__ import annotations
 
 import copy
-import functools
 import os
 from pathlib import Path
 
@@ -36,10 +35,10 @@ from torch import nn
 import parallel
 from memtrain.config import PARALLEL_MODES
 from memtrain.files import atomic_dir
-from memtrain.hf import documents
+from memtrain.hf import blocks, documents
 from memtrain.hf.architectures import ARCHITECTURES, Architecture, architecture_of
 from memtrain.hf.slots import Builder, Source
-from parallel import comm, gemm_tuning
+from parallel import comm
 from parallel.sharding import is_tagged
 
 WEIGHTS = ("auto", "seed", "model")
@@ -61,6 +60,7 @@ class ParallelLM(nn.Module):
             dropout.append("config.attention_dropout")
         self._dropout = dropout
         self._document_mask = False  # isolate_documents: the engine builds the mask from position ids
+        self._blocks_compiled = False
 
     @property
     def config(self):
@@ -157,6 +157,8 @@ class ParallelLM(nn.Module):
         if not getattr(self.model, "supports_gradient_checkpointing", False):
             raise ValueError(f"train.activation_checkpointing=true but {type(self.model).__name__} does not support "
                              "gradient checkpointing in transformers: set it to false")
+        if self._blocks_compiled:
+            blocks.check_compiled_checkpointing(self.grid, next(self.parameters()).device)
         kwargs = {"use_reentrant": False}
         if hasattr(self.model, "activation_checkpointing_enable"):  # transformers >= 5.x spelling
             self.model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
@@ -164,31 +166,13 @@ class ParallelLM(nn.Module):
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
     def compile_blocks(self) -> int:
-        """torch.compile each transformer block (the classes transformers names in `_no_split_modules`), as
-        torchtitan does: the norms, rotary embedding, activation and residual adds of a block fuse into a few
-        kernels, and all blocks share the compiled graphs (one with the packed-document mask, one without). Only
-        where a block's forward is traceable end to end: no tensor parallelism (every Linear is then F.linear) and
-        no GEMM tuning (which times kernels in Python).
-
-        Training only: a block runs its compiled forward while autograd records, its eager one otherwise, so
-        evaluation and decoding (inference mode, prompts of every length) never wait on a recompilation.
-        Parameter names and state dicts are unchanged. Returns the number of blocks compiled.
-        """
-        if self.grid.tensor_parallel_size > 1:
-            g = self.grid
-            raise ValueError(f"train.compile=true on a grid with tensor parallelism (x={g.x} y={g.y} z={g.z}): the "
-                             "engine's collectives inside a block break torch.compile's graph; use parallel.x=y=z=1 "
-                             "(data parallelism only) or train.compile=false")
-        if gemm_tuning.active(next(self.parameters()).device):
-            raise ValueError("train.compile=true with parallel.tune_matmul=true: tuning times each GEMM in Python, "
-                             "which torch.compile cannot trace; set one of them to false")
-        blocks = transformer_blocks(self.model)
-        if not blocks:
-            raise ValueError(f"train.compile=true but {type(self.model).__name__} names no transformer block class "
-                             "(transformers' _no_split_modules): set train.compile=false")
-        for block in blocks:
-            block.forward = _compiled_in_training(block.forward)
-        return len(blocks)
+        """torch.compile each transformer block for training (memtrain/hf/blocks.py). Parameter names and state
+        dicts are unchanged. Returns the number of blocks compiled."""
+        if getattr(self.model, "is_gradient_checkpointing", False):
+            blocks.check_compiled_checkpointing(self.grid, next(self.parameters()).device)
+        n = blocks.compile_blocks(self.model)
+        self._blocks_compiled = True
+        return n
 
     def num_params(self) -> int:
         """Parameters of the full (unpadded, unsharded) model."""
@@ -253,23 +237,6 @@ class ParallelLM(nn.Module):
             if not rank0_only or self.grid.rank == 0:
                 out[key] = t
         return out
-
-
-def transformer_blocks(model: nn.Module) -> list[nn.Module]:
-    """A transformers model's blocks: its modules of the classes it names in `_no_split_modules`."""
-    kinds = set(getattr(model, "_no_split_modules", None) or ())
-    return [m for m in model.modules() if type(m).__name__ in kinds]
-
-
-def _compiled_in_training(forward):
-    """`forward` compiled, run while autograd records; `forward` itself otherwise (ParallelLM.compile_blocks)."""
-    compiled = torch.compile(forward)
-
-    @functools.wraps(forward)
-    def run(*args, **kwargs):
-        return (compiled if torch.is_grad_enabled() else forward)(*args, **kwargs)
-
-    return run
 
 
 def _target_device(src: torch.device, device, grid) -> torch.device:

@@ -225,7 +225,7 @@ def test_time_based_checkpoints_change_nothing_trained(recipe, tmp_path):
 
 def test_compiled_run_trains_as_the_eager_one(recipe, finished_run, tmp_path):
     """train.compile end to end: the same losses to rounding, in the precision 'auto' chose for the eager run
-    (tolerances as tests/memtrain/hf/test_compile.py's; measured over these 6 steps on a CPU with native bf16:
+    (tolerances as tests/memtrain/hf/test_blocks.py's; measured over these 6 steps on a CPU with native bf16:
     6.4e-5 relative), and a checkpoint of the same names."""
     out = tmp_path / "compiled"
     precision = json.loads((finished_run / "run.json").read_text())["precision"]  # 'auto' probes: not twice
