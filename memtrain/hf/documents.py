@@ -5,8 +5,9 @@ Document attention (data.document_attention) packs several documents into a row 
 restart at each one. Most transformers families pass those position ids to their mask (transformers' packed-sequence
 path), so every document attends to itself only. Some never do (OPT, MPT, XGLM among those checked), and their
 documents attend across the row. For them the engine builds the same block-causal mask here and passes it as the
-attention mask, already in the 4-D form their forward takes as is. BLOOM takes neither: it builds its ALiBi from a
-2-D mask.
+attention mask, already in the 4-D form their forward takes as is. BLOOM builds its ALiBi from a 2-D mask: given
+the 4-D one, its model builds ALiBi from the positions within each document instead (`alibi_from_documents`), the
+biases each document gets alone.
 """
 
 from __future__ import annotations
@@ -36,6 +37,29 @@ def block_causal_mask(position_ids: torch.Tensor, attn_implementation: str, dtyp
     if MASK_FORMATS[attn_implementation] == "bool":
         return sees
     return torch.zeros(sees.shape, dtype=dtype, device=sees.device).masked_fill_(~sees, torch.finfo(dtype).min)
+
+
+def alibi_from_documents(model: torch.nn.Module) -> None:
+    """Let a model that builds ALiBi by its `build_alibi_tensor(mask, num_heads, dtype)` method (BLOOM) take the
+    block-causal mask: from a 4-D mask the biases are slope x the key's position within its document, as that
+    document alone gets them (bit for bit: the same float32 products of a slope and an integer); a 2-D mask or
+    none goes to the model's own builder. Nothing changes for a model without that method."""
+    own = getattr(model, "build_alibi_tensor", None)
+    if own is None or getattr(own, "from_documents", False):
+        return
+
+    def build(mask: torch.Tensor, num_heads: int, dtype: torch.dtype) -> torch.Tensor:
+        if mask.ndim != 4:
+            return own(mask, num_heads, dtype)
+        sees = mask if mask.dtype == torch.bool else mask == 0
+        # row k of a block-causal mask sees its document's first token through k: k's position in its document
+        positions = sees[:, 0].sum(-1) - 1
+        slopes = own(torch.ones(1, 2, device=mask.device), num_heads, torch.float32)[:, 0, 1]  # slope x position 1
+        b, S = positions.shape
+        return (slopes[None, :, None] * positions[:, None, :]).reshape(b * num_heads, 1, S).to(dtype)
+
+    build.from_documents = True
+    model.build_alibi_tensor = build
 
 
 def leak(token_losses: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],

@@ -113,6 +113,7 @@ class ParallelLM(nn.Module):
         reads position ids, else the engine's block-causal mask (hf/documents.py); False where neither does."""
         was, device = self.training, self.grid.device
         self.eval()  # dropout would move the losses too
+        documents.alibi_from_documents(self.model.base_model)
         try:
             for prepared in (False, True):
                 if prepared and self.config._attn_implementation not in documents.MASK_FORMATS:
@@ -124,7 +125,7 @@ class ParallelLM(nn.Module):
                 except ValueError:
                     if not prepared:
                         raise
-                    worst = torch.ones(1, device=device)  # BLOOM builds ALiBi from the mask: it must be [b, S]
+                    worst = torch.ones(1, device=device)  # a forward that takes no 4-D mask (one that needs it [b, S])
                 comm.all_reduce(worst, self.grid, parallel.AXES, op=torch.distributed.ReduceOp.MAX)
                 if worst.item() < 1e-3:  # exactly 0 where documents stay apart
                     return True
