@@ -68,6 +68,7 @@ def _isolation(rank, world):
             for fam, mode in (("llama", "sharded"), ("gpt2", "sharded"), ("opt", "easy"), ("bloom", "easy"))}
 
 
+@pytest.mark.filterwarnings("ignore:_compile flag on create_block_mask")  # transformers' flex path, torch's words
 def test_which_models_keep_packed_documents_apart():
     """Llama, GPT-NeoX and GPT-2 keep packed documents apart by transformers' own mask; OPT and MPT, whose masks
     ignore position ids, and BLOOM, whose ALiBi is built from a 2-D mask, by the engine's; OPT under flex attention
