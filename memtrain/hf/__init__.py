@@ -5,6 +5,7 @@
 
 architectures.py  one object per architecture: block layers, ends, init rule, checkpoint names
 slots.py          how each HF tensor maps onto this rank's shard (seeded init, loading, gathering)
+materialize.py    storage and initial values: the engine's from the seed, the rest by transformers' initializer
 blocks.py         a model's transformer blocks, torch.compile'd for training (train.compile)
 documents.py      the block-causal mask for families whose own mask ignores position ids, and the probe
 parallelize.py    `parallelize` and the resulting `ParallelLM`; `export_hf`

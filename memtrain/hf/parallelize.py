@@ -37,6 +37,7 @@ from memtrain.config import PARALLEL_MODES
 from memtrain.files import atomic_dir
 from memtrain.hf import blocks, documents
 from memtrain.hf.architectures import ARCHITECTURES, Architecture, architecture_of
+from memtrain.hf.materialize import keep_leftovers, materialize
 from memtrain.hf.slots import Builder, Source
 from parallel import comm
 from parallel.sharding import is_tagged
@@ -283,8 +284,8 @@ def parallelize(model, grid=None, mode: str = "auto", seed: int = 0, *, device=N
         # Gradient sync and clipping read each parameter's ShardSpec; an untagged one would be summed over Y.
         raise RuntimeError(f"the {family} plan left parameters without a ShardSpec: {untagged[:5]}")
     if target.type != "meta":
-        _materialize(model, b, seed, source is None, target)
-    _keep_leftovers(model, b, keys, seed, source is None, target)
+        materialize(model, b, seed, source is None, target)
+    keep_leftovers(model, b, keys, seed, source is None, target)
     plm = ParallelLM(model, grid, mode, arch, b, keys, tied, num_params)
     if source is not None and target.type != "meta":
         plm.load_hf_state_dict(source)
@@ -312,42 +313,6 @@ def hf_keys(model) -> tuple[list[str], list[str]]:
             tied.append(name)
         first.add(id(p))
     return [k for k in model.state_dict() if k not in tied], tied
-
-
-def _materialize(model, b: Builder, seed: int, seeded: bool, target) -> None:
-    """Engine tensors first (drawn from the seed, or left empty when a checkpoint fills them next), then
-    whatever HF tensor is still on meta (replicated norms, rotary buffers) through HF's own initializer."""
-    for s in b.slots:
-        s.materialize(seed, seeded, target)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        for m in model.modules():
-            own = list(m.parameters(recurse=False)) + list(m.buffers(recurse=False))
-            if any(t.device.type == "meta" for t in own):
-                m.to_empty(device=target, recurse=False)
-                model._init_weights(m)
-    model.to(target)
-    left = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.device.type == "meta"]
-    if left:
-        raise RuntimeError(f"tensors left on the meta device after parallelize: {left[:5]}")
-
-
-def _keep_leftovers(model, b: Builder, keys: list[str], seed: int, seeded: bool, target) -> None:
-    """HF tensors no plan claimed stay whole and replicated. Leftover embedding tables (GPT-2's wpe in
-    easy mode, OPT's positions) take the seeded init like every matrix, so both modes start equal."""
-    std_of = b.std_of
-    claimed = {s.key for s in b.slots}
-    for key in keys:
-        if key in claimed:
-            continue
-        owner, _, attr = key.rpartition(".")
-        mod = model.get_submodule(owner)
-        if isinstance(mod, (parallel.Linear, parallel.Embedding, parallel.LMHead)):
-            raise RuntimeError(f"{key}: its module was replaced but the plan did not map it")
-        init = "normal" if isinstance(mod, nn.Embedding) and attr == "weight" else None
-        b.part(key, mod, attr, full_shape=getattr(mod, attr).shape, init=init, std=std_of(key))
-        if target.type != "meta" and init and seeded:
-            b.slots[-1].materialize(seed, True, target)
 
 
 def export_hf(plm: ParallelLM, hf_config=None, out_dir: str | os.PathLike = "model") -> Path | None:

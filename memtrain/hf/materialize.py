@@ -1,0 +1,108 @@
+"""Storage and initial values for a parallelized model: the engine's tensors drawn from the seed (slots.py), every
+other tensor by transformers' own initializer, and the tensors no plan claimed kept whole and replicated.
+
+A model built on the meta device has no values at all: a tensor that no initializer writes would hold whatever the
+allocator left there, so each one starts as NaN (an integer type's least value) and is refused if it stays so.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+import parallel
+from memtrain.hf.slots import Builder
+
+
+def materialize(model, b: Builder, seed: int, seeded: bool, target) -> None:
+    """Engine tensors first (drawn from the seed, or left empty when a checkpoint fills them next), then
+    whatever HF tensor is still on meta (replicated norms, rotary buffers) through HF's own initializer: its
+    module's, then, for what that leaves unset, its ancestors' (Falcon-H1's model sets each mixer's mup_vector)."""
+    for s in b.slots:
+        s.materialize(seed, seeded, target)
+    allocated = []
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        for m in model.modules():
+            was_meta = {name for name, t in _own_tensors(m) if t.device.type == "meta"}
+            if was_meta:
+                m.to_empty(device=target, recurse=False)
+                for name, t in _own_tensors(m):
+                    if name in was_meta:
+                        _mark_unset(t)
+                        allocated.append((m, name))
+                model._init_weights(m)
+    model.to(target)
+    left = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.device.type == "meta"]
+    if left:
+        raise RuntimeError(f"tensors left on the meta device after parallelize: {left[:5]}")
+    _init_from_ancestors(model, [(m, name) for m, name in allocated if _unset(getattr(m, name))], seed)
+
+
+def _own_tensors(m: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    return list(m.named_parameters(recurse=False)) + list(m.named_buffers(recurse=False))
+
+
+def _mark_unset(t: torch.Tensor) -> None:
+    """Fill a freshly allocated tensor with what no initializer writes (NaN; an integer type's least value), so
+    one left unset is found instead of trained on as whatever the allocator held."""
+    with torch.no_grad():
+        if t.is_floating_point():
+            t.fill_(float("nan"))
+        elif t.dtype != torch.bool and not t.is_complex():
+            t.fill_(torch.iinfo(t.dtype).min)
+
+
+def _unset(t: torch.Tensor) -> bool:
+    if t.numel() == 0 or t.dtype == torch.bool or t.is_complex():
+        return False
+    return bool(t.isnan().any() if t.is_floating_point() else (t == torch.iinfo(t.dtype).min).any())
+
+
+def _init_from_ancestors(model, unset: list[tuple[nn.Module, str]], seed: int) -> None:
+    """Run HF's initializer on the ancestors of modules whose own left a tensor unset, nearest first, with every
+    other tensor marked as transformers marks loaded ones (its init functions skip them); refuse what stays unset."""
+    if not unset:
+        return
+    parents = {id(child): parent for parent in model.modules() for child in parent.children()}
+    ancestors = []
+    for m, _ in unset:
+        while id(m) in parents:
+            m = parents[id(m)]
+            if all(a is not m for a in ancestors):
+                ancestors.append(m)
+    targets = {id(getattr(m, name)) for m, name in unset}
+    marked = [t for t in list(model.parameters()) + list(model.buffers()) if id(t) not in targets]
+    for t in marked:
+        t._is_hf_initialized = True
+    try:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            for a in ancestors:
+                model._init_weights(a)
+    finally:
+        for t in marked:
+            del t._is_hf_initialized
+    names = {id(m): prefix for prefix, m in model.named_modules()}
+    still = [f"{names[id(m)]}.{name}" for m, name in unset if _unset(getattr(m, name))]
+    if still:
+        raise ValueError(f"{type(model).__name__}: transformers' initializer leaves {', '.join(still[:3])} unset: "
+                         "start from the model's weights (model.init, or a model directory with weights)")
+
+
+def keep_leftovers(model, b: Builder, keys: list[str], seed: int, seeded: bool, target) -> None:
+    """HF tensors no plan claimed stay whole and replicated. Leftover embedding tables (GPT-2's wpe in
+    easy mode, OPT's positions) take the seeded init like every matrix, so both modes start equal."""
+    std_of = b.std_of
+    claimed = {s.key for s in b.slots}
+    for key in keys:
+        if key in claimed:
+            continue
+        owner, _, attr = key.rpartition(".")
+        mod = model.get_submodule(owner)
+        if isinstance(mod, (parallel.Linear, parallel.Embedding, parallel.LMHead)):
+            raise RuntimeError(f"{key}: its module was replaced but the plan did not map it")
+        init = "normal" if isinstance(mod, nn.Embedding) and attr == "weight" else None
+        b.part(key, mod, attr, full_shape=getattr(mod, attr).shape, init=init, std=std_of(key))
+        if target.type != "meta" and init and seeded:
+            b.slots[-1].materialize(seed, True, target)
