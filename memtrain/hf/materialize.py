@@ -36,7 +36,11 @@ def materialize(model, b: Builder, seed: int, seeded: bool, target) -> None:
     left = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.device.type == "meta"]
     if left:
         raise RuntimeError(f"tensors left on the meta device after parallelize: {left[:5]}")
-    _init_from_ancestors(model, [(m, name) for m, name in allocated if _unset(getattr(m, name))], seed)
+    unset = [(m, name) for m, name in allocated if _unset(getattr(m, name))]
+    if not seeded:  # the checkpoint fills every tensor of the state dict next: only the others must be set here
+        kept = {id(t) for t in model.state_dict(keep_vars=True).values()}
+        unset = [(m, name) for m, name in unset if id(getattr(m, name)) not in kept]
+    _init_from_ancestors(model, unset, seed)
 
 
 def _own_tensors(m: nn.Module) -> list[tuple[str, torch.Tensor]]:

@@ -62,3 +62,28 @@ def test_a_tensor_no_initializer_sets_is_refused(monkeypatch):
                                          r"model.layers.0.mamba.mup_vector, model.layers.1.mamba.mup_vector unset: "
                                          r"start from the model's weights"):
         _seeded()
+
+
+def test_a_tensor_the_checkpoint_fills_need_not_be_set_by_the_initializer(monkeypatch, tmp_path):
+    """From a checkpoint, the initializer only has to set what the state dict does not hold (the mup_vector
+    buffers): an initializer that sets none of the mixer's parameters (here Falcon-H1's without its mixer branch)
+    is not refused, and the checkpoint's values are the ones trained."""
+    from transformers.models.falcon_h1 import modeling_falcon_h1 as falcon_h1
+
+    from memtrain.models import build_model
+
+    torch.manual_seed(0)
+    saved = AutoModelForCausalLM.from_config(AutoConfig.for_model("falcon_h1", **FALCON_H1))
+    saved.save_pretrained(tmp_path / "model")
+    init = falcon_h1.FalconH1PreTrainedModel._init_weights
+
+    def without_mixer(self, module):
+        if not isinstance(module, falcon_h1.FalconH1Mixer):
+            init(self, module)
+
+    monkeypatch.setattr(falcon_h1.FalconH1PreTrainedModel, "_init_weights", without_mixer)
+    plm = parallelize(build_model(str(tmp_path / "model"), device="meta"), parallel.Grid(1, 1, 1, 1), "easy")
+    got = plm.full_state_dict()
+    assert all(torch.equal(got[k], v) for k, v in saved.state_dict().items() if "A_log" in k or k.endswith(".D"))
+    assert all(torch.equal(b, dict(saved.named_buffers())[name.removeprefix("model.")])
+               for name, b in plm.named_buffers())
