@@ -125,7 +125,8 @@ class TrainConfig:
     activation and residual adds fuse into fewer kernels; evaluation stays eager. The first steps pay the
     compilation (seconds to a minute), and results differ from eager ones by rounding only. Under tensor
     parallelism or parallel.tune_matmul the engine's Linears and collectives run eagerly between the compiled
-    pieces of a block."""
+    pieces of a block, and train.activation_checkpointing is refused with it (torch.compile would run a
+    checkpointed block eagerly)."""
     optimizer_offload: bool = False
     """Keep the AdamW moments and fp32 master weights in host memory (pinned on CUDA) and run the update there,
     bucket by bucket as the gradient all-reduce completes. Device memory per parameter falls from 16 bytes

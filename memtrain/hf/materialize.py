@@ -7,22 +7,29 @@ allocator left there, so each one starts as NaN (an integer type's least value) 
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import nn
+
+try:  # transformers >= 5: under this guard torch.nn.init's functions skip marked tensors too, as its own do
+    from transformers.initialization import guard_torch_init_functions
+except ImportError:
+    guard_torch_init_functions = contextlib.nullcontext
 
 import parallel
 from memtrain.hf.slots import Builder
 
 
-def materialize(model, b: Builder, seed: int, seeded: bool, target) -> None:
+def materialize(model, b: Builder, seed: int, seeded: bool, target, loaded_next: bool) -> None:
     """Engine tensors first (drawn from the seed, or left empty when a checkpoint fills them next), then
     whatever HF tensor is still on meta (replicated norms, rotary buffers) through HF's own initializer: its
-    module's, then, for what that leaves unset, its ancestors' (Falcon-H1's model sets each mixer's mup_vector)."""
+    module's, then, for what that leaves unset, its ancestors' (Falcon-H1's model sets each mixer's mup_vector).
+    loaded_next: every tensor of the state dict is loaded next, so only the others (buffers) must be set here."""
     for s in b.slots:
         s.materialize(seed, seeded, target)
     allocated = []
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
+    with _seeded_rng(seed, target):
         for m in model.modules():
             was_meta = {name for name, t in _own_tensors(m) if t.device.type == "meta"}
             if was_meta:
@@ -37,10 +44,19 @@ def materialize(model, b: Builder, seed: int, seeded: bool, target) -> None:
     if left:
         raise RuntimeError(f"tensors left on the meta device after parallelize: {left[:5]}")
     unset = [(m, name) for m, name in allocated if _unset(getattr(m, name))]
-    if not seeded:  # the checkpoint fills every tensor of the state dict next: only the others must be set here
+    if loaded_next:
         kept = {id(t) for t in model.state_dict(keep_vars=True).values()}
         unset = [(m, name) for m, name in unset if id(getattr(m, name)) not in kept]
-    _init_from_ancestors(model, unset, seed)
+    # another stream than the first pass's, so a tensor drawn here does not repeat one drawn there
+    _init_from_ancestors(model, unset, seed + 1, target)
+
+
+@contextlib.contextmanager
+def _seeded_rng(seed: int, device: torch.device):
+    """torch's generator (and the device's) seeded, and restored as they were on exit."""
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.manual_seed(seed)
+        yield
 
 
 def _own_tensors(m: nn.Module) -> list[tuple[str, torch.Tensor]]:
@@ -49,23 +65,27 @@ def _own_tensors(m: nn.Module) -> list[tuple[str, torch.Tensor]]:
 
 def _mark_unset(t: torch.Tensor) -> None:
     """Fill a freshly allocated tensor with what no initializer writes (NaN; an integer type's least value), so
-    one left unset is found instead of trained on as whatever the allocator held."""
+    one left unset is found instead of trained on as whatever the allocator held. A bool tensor has no such
+    value and is not checked."""
     with torch.no_grad():
-        if t.is_floating_point():
+        if t.is_floating_point() or t.is_complex():
             t.fill_(float("nan"))
-        elif t.dtype != torch.bool and not t.is_complex():
+        elif t.dtype != torch.bool:
             t.fill_(torch.iinfo(t.dtype).min)
 
 
 def _unset(t: torch.Tensor) -> bool:
-    if t.numel() == 0 or t.dtype == torch.bool or t.is_complex():
+    if t.numel() == 0 or t.dtype == torch.bool:
         return False
-    return bool(t.isnan().any() if t.is_floating_point() else (t == torch.iinfo(t.dtype).min).any())
+    if t.is_floating_point() or t.is_complex():
+        return bool(t.isnan().any())
+    return bool((t == torch.iinfo(t.dtype).min).any())
 
 
-def _init_from_ancestors(model, unset: list[tuple[nn.Module, str]], seed: int) -> None:
+def _init_from_ancestors(model, unset: list[tuple[nn.Module, str]], seed: int, target: torch.device) -> None:
     """Run HF's initializer on the ancestors of modules whose own left a tensor unset, nearest first, with every
-    other tensor marked as transformers marks loaded ones (its init functions skip them); refuse what stays unset."""
+    tensor already set marked as transformers marks loaded ones, so that its init functions (torch.nn.init's too,
+    under its guard) skip it; refuse what stays unset, and an initializer that wrote a marked tensor anyway."""
     if not unset:
         return
     parents = {id(child): parent for parent in model.modules() for child in parent.children()}
@@ -75,23 +95,41 @@ def _init_from_ancestors(model, unset: list[tuple[nn.Module, str]], seed: int) -
             m = parents[id(m)]
             if all(a is not m for a in ancestors):
                 ancestors.append(m)
+    names = {id(m): prefix for prefix, m in model.named_modules()}
     targets = {id(getattr(m, name)) for m, name in unset}
-    marked = [t for t in list(model.parameters()) + list(model.buffers()) if id(t) not in targets]
+    marked = [t for t in list(model.parameters()) + list(model.buffers())
+              if id(t) not in targets and not getattr(t, "_is_hf_initialized", False)]
+    versions = [t._version for t in marked]
     for t in marked:
         t._is_hf_initialized = True
     try:
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
+        with _seeded_rng(seed, target), guard_torch_init_functions():
             for a in ancestors:
                 model._init_weights(a)
+                for m, name in unset:  # the nearest ancestor's values are kept
+                    t = getattr(m, name)
+                    if not _unset(t) and not getattr(t, "_is_hf_initialized", False):
+                        t._is_hf_initialized = True
+                        marked.append(t)
+                        versions.append(t._version)
     finally:
         for t in marked:
             del t._is_hf_initialized
-    names = {id(m): prefix for prefix, m in model.named_modules()}
-    still = [f"{names[id(m)]}.{name}" for m, name in unset if _unset(getattr(m, name))]
+    written = {id(t) for t, v in zip(marked, versions) if t._version != v}
+    if written:
+        tensors = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if id(t) in written]
+        raise ValueError(f"{type(model).__name__}: transformers' initializer rewrites {', '.join(tensors[:3])} "
+                         "when it sets the tensors its modules leave unset: start from the model's weights "
+                         "(model.init, or a model directory with weights)")
+    still = [(f"{names[id(m)]}.{name}", id(getattr(m, name)))
+             for m, name in unset if _unset(getattr(m, name))]
     if still:
-        raise ValueError(f"{type(model).__name__}: transformers' initializer leaves {', '.join(still[:3])} unset: "
-                         "start from the model's weights (model.init, or a model directory with weights)")
+        persistent = {id(t) for t in model.state_dict(keep_vars=True).values()}
+        fix = ("start from the model's weights (model.init, or a model directory with weights)"
+               if all(i in persistent for _, i in still) else
+               "a buffer no checkpoint holds, so memtrain cannot build this model: train it with transformers alone")
+        raise ValueError(f"{type(model).__name__}: transformers' initializer leaves "
+                         f"{', '.join(n for n, _ in still[:3])} unset: {fix}")
 
 
 def keep_leftovers(model, b: Builder, keys: list[str], seed: int, seeded: bool, target) -> None:

@@ -61,7 +61,7 @@ class ParallelLM(nn.Module):
             dropout.append("config.attention_dropout")
         self._dropout = dropout
         self._document_mask = False  # isolate_documents: the engine builds the mask from position ids
-        self._blocks_compiled = False
+        self._compiled_blocks, self._blocks_checkpointed = 0, False
 
     @property
     def config(self):
@@ -159,8 +159,9 @@ class ParallelLM(nn.Module):
         if not getattr(self.model, "supports_gradient_checkpointing", False):
             raise ValueError(f"train.activation_checkpointing=true but {type(self.model).__name__} does not support "
                              "gradient checkpointing in transformers: set it to false")
-        if self._blocks_compiled:
+        if self._compiled_blocks:
             blocks.check_compiled_checkpointing(self.grid, next(self.parameters()).device)
+        self._blocks_checkpointed = True
         kwargs = {"use_reentrant": False}
         if hasattr(self.model, "activation_checkpointing_enable"):  # transformers >= 5.x spelling
             self.model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
@@ -168,13 +169,14 @@ class ParallelLM(nn.Module):
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
     def compile_blocks(self) -> int:
-        """torch.compile each transformer block for training (memtrain/hf/blocks.py). Parameter names and state
-        dicts are unchanged. Returns the number of blocks compiled."""
-        if getattr(self.model, "is_gradient_checkpointing", False):
+        """torch.compile each transformer block for training (memtrain/hf/blocks.py), once. Parameter names and
+        state dicts are unchanged. Returns the number of blocks compiled. Set parallel.tune_matmul before: it
+        decides whether a checkpointed block may be compiled too."""
+        if self._blocks_checkpointed:
             blocks.check_compiled_checkpointing(self.grid, next(self.parameters()).device)
-        n = blocks.compile_blocks(self.model)
-        self._blocks_compiled = True
-        return n
+        if not self._compiled_blocks:
+            self._compiled_blocks = blocks.compile_blocks(self.model)
+        return self._compiled_blocks
 
     def num_params(self) -> int:
         """Parameters of the full (unpadded, unsharded) model."""
@@ -248,7 +250,7 @@ def _target_device(src: torch.device, device, grid) -> torch.device:
 
 
 def parallelize(model, grid=None, mode: str = "auto", seed: int = 0, *, device=None,
-                weights: str = "auto") -> ParallelLM:
+                weights: str = "auto", loaded_next: bool = False) -> ParallelLM:
     """Shard an HF causal LM over the grid, replacing its layers in place; returns the ParallelLM.
 
     mode: "sharded" (Llama, GPT-NeoX, GPT-2), "easy" (any model) or "auto" (sharded when possible).
@@ -257,6 +259,8 @@ def parallelize(model, grid=None, mode: str = "auto", seed: int = 0, *, device=N
     weights: "seed" draws the engine's seeded init; "model" takes the given model's tensors; "auto"
         (default) loads the checkpoint the model was built from (a from_pretrained model, or the
         directory recorded by build_model(..., device="meta")), else draws the seeded init.
+    loaded_next: the caller loads a whole state dict next (the trainer's model.init), so transformers'
+        initializer only has to set what none holds (memtrain/hf/materialize.py).
     """
     grid = grid or parallel.current()
     if mode not in PARALLEL_MODES:
@@ -284,7 +288,7 @@ def parallelize(model, grid=None, mode: str = "auto", seed: int = 0, *, device=N
         # Gradient sync and clipping read each parameter's ShardSpec; an untagged one would be summed over Y.
         raise RuntimeError(f"the {family} plan left parameters without a ShardSpec: {untagged[:5]}")
     if target.type != "meta":
-        materialize(model, b, seed, source is None, target)
+        materialize(model, b, seed, source is None, target, loaded_next or source is not None)
     keep_leftovers(model, b, keys, seed, source is None, target)
     plm = ParallelLM(model, grid, mode, arch, b, keys, tied, num_params)
     if source is not None and target.type != "meta":

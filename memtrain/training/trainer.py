@@ -81,7 +81,7 @@ def setup(cfg: RunConfig, grid: parallel.Grid):
                      trust_remote_code=cfg.model.trust_remote_code, eos_token_id=stream.eos_id)
     if cfg.model.fan_in_init:  # read by parallelize when it draws the seeded init
         hf.config.initializer_range = hf.config.hidden_size ** -0.5
-    plm = parallelize(hf, grid, mode=cfg.parallel.mode, seed=cfg.train.seed)
+    plm = parallelize(hf, grid, mode=cfg.parallel.mode, seed=cfg.train.seed, loaded_next=bool(cfg.model.init))
     return stream, plm
 
 
@@ -146,7 +146,7 @@ def train(cfg: RunConfig, out_dir: str | Path, *, resume: bool = False, force: b
     if stream.document_attention and not plm.isolate_documents():  # before compiling: it runs tiny rows
         raise ValueError(f"{type(plm.model).__name__} lets the documents packed in a row attend to each other (its "
                          "attention mask ignores position ids and a block-causal one passed in does not hold, as "
-                         "with BLOOM's ALiBi or flash attention), which data.document_attention forbids: set "
+                         "with flex or flash attention), which data.document_attention forbids: set "
                          "data.document_attention=false (attention across the row, as classic packing; evaluation "
                          "then scores canaries in their in-row context too)")
     if cfg.model.init:

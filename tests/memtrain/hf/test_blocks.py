@@ -217,13 +217,14 @@ def test_compiled_checkpointed_blocks_are_refused_where_the_products_run_eagerly
         assert len(errors) == 2
         assert all("train.activation_checkpointing=true on a grid with tensor parallelism (x=2 y=1 z=1)" in e
                    for e in errors)
-    grid = parallel.Grid(1, 1, 1, 1)
-    plm = parallelize(tiny("llama", "meta"), grid, "sharded", seed=0)
-    plm.enable_activation_checkpointing()
     try:
         parallel.tune_matmul(True, layouts=("given",))
-        with pytest.raises(ValueError, match="activation_checkpointing=true on parallel.tune_matmul=true"):
-            plm.compile_blocks()
+        for compile_first in (False, True):
+            plm = parallelize(tiny("llama", "meta"), parallel.Grid(1, 1, 1, 1), "sharded", seed=0)
+            steps = [plm.enable_activation_checkpointing, plm.compile_blocks]
+            with pytest.raises(ValueError, match="activation_checkpointing=true on parallel.tune_matmul=true"):
+                for step in steps[::-1] if compile_first else steps:
+                    step()
     finally:
         parallel.tune_matmul(None, layouts=None)
 

@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM
 
 import parallel
 from memtrain.hf import parallelize
-from memtrain.hf.documents import block_causal_mask
+from memtrain.hf.documents import alibi_from_documents, block_causal_mask
 from parallel.forked import run_ranks
 from tests.memtrain._models import tiny
 
@@ -34,6 +34,27 @@ def test_block_causal_mask_lets_each_token_see_its_own_documents_past():
     assert torch.equal(additive == 0, want) and (additive[~want] == torch.finfo(torch.bfloat16).min).all()
     with pytest.raises(ValueError, match="needs attn_implementation sdpa or eager, not 'flash_attention_2'"):
         block_causal_mask(positions, "flash_attention_2", torch.float32)  # changed after isolate_documents
+
+
+@pytest.mark.parametrize("mask_dtype", [torch.bool, torch.float32])
+def test_alibi_from_a_block_causal_mask_is_each_documents_own(mask_dtype):
+    """BLOOM's ALiBi, built from the engine's mask (bool or additive), holds for each document bitwise the biases
+    BLOOM builds for that document alone: slope x position within the document, not within the row (equal after
+    the softmax only up to rounding, which the scoring test below cannot tell apart). A 2-D mask is BLOOM's own
+    builder's as before."""
+    model = tiny("bloom").transformer
+    own = model.build_alibi_tensor
+    alibi_from_documents(model)
+    lengths, heads = (5, 6, 5), model.config.n_head
+    positions = torch.cat([torch.arange(n) for n in lengths])[None].repeat(2, 1)
+    impl = "sdpa" if mask_dtype == torch.bool else "eager"
+    got = model.build_alibi_tensor(block_causal_mask(positions, impl, torch.float32), heads, torch.bfloat16)
+    assert got.shape == (2 * heads, 1, sum(lengths))
+    for doc, start in zip(lengths, (0, 5, 11)):
+        alone = own(torch.ones(2, doc), heads, torch.bfloat16)
+        assert torch.equal(got[:, :, start:start + doc], alone)
+    padded = torch.tensor([[1, 1, 1, 0], [0, 1, 1, 1]])
+    assert torch.equal(model.build_alibi_tensor(padded, heads, torch.float32), own(padded, heads, torch.float32))
 
 
 @pytest.mark.parametrize("family, impl", [("opt", "sdpa"), ("opt", "eager"), ("bloom", "eager")])

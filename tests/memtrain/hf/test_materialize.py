@@ -2,27 +2,40 @@
 engine layer holds (norms, buffers) get transformers' own initial values, and none is left as whatever the
 allocator held.
 
-Reference: the plain transformers model built on a CPU, initialized by transformers itself.
+Reference: the plain transformers model built on a CPU, initialized by transformers itself. Falcon-H1 is the
+model: its model module, not the mixer holding them, sets each mixer's mup_vector buffer (a parent's init), and
+the tests strip parts of its initializer to make the cases that no family in transformers shows today.
 """
 
 import pytest
 import torch
 import torch.nn.functional as F
 from transformers import AutoConfig, AutoModelForCausalLM
+from transformers.models.falcon_h1 import modeling_falcon_h1 as falcon_h1
 
 import parallel
 from memtrain.hf import parallelize
+from memtrain.models import build_model
 
-# Falcon-H1: its model module, not the mixer holding it, sets each mixer's mup_vector buffer (a parent's init)
+INIT = falcon_h1.FalconH1PreTrainedModel._init_weights  # transformers' own, before any test replaces it
 FALCON_H1 = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=4, mamba_d_ssm=32, mamba_n_heads=4, mamba_d_head=8, mamba_d_state=8)
 
 
-def _seeded():
+def _seeded(**kwargs):
     config = AutoConfig.for_model("falcon_h1", **FALCON_H1)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
-    return config, parallelize(model, parallel.Grid(1, 1, 1, 1), "easy", seed=0, device="cpu")
+    return config, parallelize(model, parallel.Grid(1, 1, 1, 1), "easy", seed=0, device="cpu", **kwargs)
+
+
+def _init_only(monkeypatch, keep):
+    """Falcon-H1's initializer, run for the modules `keep(module)` accepts, nothing for the others."""
+    def some(self, module):
+        if keep(module):
+            INIT(self, module)
+
+    monkeypatch.setattr(falcon_h1.FalconH1PreTrainedModel, "_init_weights", some)
 
 
 def test_a_buffer_set_by_a_parent_modules_init_has_transformers_values():
@@ -47,42 +60,61 @@ def test_a_buffer_set_by_a_parent_modules_init_has_transformers_values():
 
 
 def test_a_tensor_no_initializer_sets_is_refused(monkeypatch):
-    """An initializer that sets nothing for a tensor (here Falcon-H1's without its mup_vector line) leaves it
-    unset: refused with the way out, not trained on as garbage."""
-    from transformers.models.falcon_h1 import modeling_falcon_h1 as falcon_h1
-
-    init = falcon_h1.FalconH1PreTrainedModel._init_weights
-
-    def without_mup_vector(self, module):
-        if not isinstance(module, falcon_h1.FalconH1Model):
-            init(self, module)
-
-    monkeypatch.setattr(falcon_h1.FalconH1PreTrainedModel, "_init_weights", without_mup_vector)
+    """An initializer that sets nothing for a tensor leaves it unset: refused, not trained on as garbage. A buffer
+    no checkpoint holds (Falcon-H1's init without its mup_vector line) cannot come from weights either; a
+    parameter (without its mixer branch) can, and the refusal says so."""
+    _init_only(monkeypatch, lambda m: not isinstance(m, falcon_h1.FalconH1Model))
     with pytest.raises(ValueError, match=r"^FalconH1ForCausalLM: transformers' initializer leaves "
                                          r"model.layers.0.mamba.mup_vector, model.layers.1.mamba.mup_vector unset: "
-                                         r"start from the model's weights"):
+                                         r"a buffer no checkpoint holds"):
+        _seeded()
+    _init_only(monkeypatch, lambda m: not isinstance(m, falcon_h1.FalconH1Mixer))
+    with pytest.raises(ValueError, match=r"leaves model.layers.0.mamba.dt_bias, .* unset: start from the model's "
+                                         r"weights \(model.init"):
         _seeded()
 
 
-def test_a_tensor_the_checkpoint_fills_need_not_be_set_by_the_initializer(monkeypatch, tmp_path):
-    """From a checkpoint, the initializer only has to set what the state dict does not hold (the mup_vector
-    buffers): an initializer that sets none of the mixer's parameters (here Falcon-H1's without its mixer branch)
-    is not refused, and the checkpoint's values are the ones trained."""
-    from transformers.models.falcon_h1 import modeling_falcon_h1 as falcon_h1
+def test_an_ancestors_init_keeps_off_what_is_set_and_is_refused_where_it_cannot(monkeypatch):
+    """The ancestors' pass marks every tensor already set. An init that reaches one through torch.nn.init (as a
+    model's own code may) leaves it alone under transformers' guard; one that writes it directly is refused,
+    since the engine drew it from the seed on this grid."""
+    _, plm = _seeded()
+    want = plm.full_state_dict()["model.embed_tokens.weight"]
 
-    from memtrain.models import build_model
+    def through_torch_init(self, module):
+        INIT(self, module)
+        if isinstance(module, falcon_h1.FalconH1Model):
+            torch.nn.init.normal_(module.embed_tokens.weight)
 
+    monkeypatch.setattr(falcon_h1.FalconH1PreTrainedModel, "_init_weights", through_torch_init)
+    _, plm = _seeded()
+    assert torch.equal(plm.full_state_dict()["model.embed_tokens.weight"], want)
+
+    def directly(self, module):
+        INIT(self, module)
+        if isinstance(module, falcon_h1.FalconH1Model):
+            with torch.no_grad():
+                module.embed_tokens.weight.mul_(2)
+
+    monkeypatch.setattr(falcon_h1.FalconH1PreTrainedModel, "_init_weights", directly)
+    with pytest.raises(ValueError, match=r"initializer rewrites model.embed_tokens.weight when it sets"):
+        _seeded()
+
+
+@pytest.mark.parametrize("weights", ["a model directory", "model.init"])
+def test_what_the_weights_fill_need_not_be_set_by_the_initializer(monkeypatch, tmp_path, weights):
+    """Where a checkpoint follows (a model directory with weights, or the trainer's model.init: loaded_next), the
+    initializer only has to set what no state dict holds: one that sets none of the mixer's parameters is not
+    refused, and the checkpoint's values are the ones trained."""
     torch.manual_seed(0)
     saved = AutoModelForCausalLM.from_config(AutoConfig.for_model("falcon_h1", **FALCON_H1))
     saved.save_pretrained(tmp_path / "model")
-    init = falcon_h1.FalconH1PreTrainedModel._init_weights
-
-    def without_mixer(self, module):
-        if not isinstance(module, falcon_h1.FalconH1Mixer):
-            init(self, module)
-
-    monkeypatch.setattr(falcon_h1.FalconH1PreTrainedModel, "_init_weights", without_mixer)
-    plm = parallelize(build_model(str(tmp_path / "model"), device="meta"), parallel.Grid(1, 1, 1, 1), "easy")
+    _init_only(monkeypatch, lambda m: not isinstance(m, falcon_h1.FalconH1Mixer))
+    if weights == "model.init":
+        _, plm = _seeded(loaded_next=True)
+        plm.load_hf_state_dict(saved.state_dict())
+    else:
+        plm = parallelize(build_model(str(tmp_path / "model"), device="meta"), parallel.Grid(1, 1, 1, 1), "easy")
     got = plm.full_state_dict()
     assert all(torch.equal(got[k], v) for k, v in saved.state_dict().items() if "A_log" in k or k.endswith(".D"))
     assert all(torch.equal(b, dict(saved.named_buffers())[name.removeprefix("model.")])
