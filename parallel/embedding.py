@@ -117,6 +117,18 @@ class Embedding(ShardedWeight):
             return out
         return torch.where((ids == self.padding_idx).unsqueeze(-1), out.detach(), out)
 
+    def _logits_and_labels(self, hidden: torch.Tensor, labels: torch.Tensor):
+        """(labels' shape, this rank's logits, labels flat and range-checked: in easy mode gathered over Y, as the
+        rows of the logits are)."""
+        lead = labels.shape
+        labels = labels.reshape(-1)
+        check_in_range(labels, self.valid, "label", f"use labels below {self.valid} or {IGNORE_INDEX} (ignored)",
+                       IGNORE_INDEX)
+        logits = self.logits(hidden)
+        if self.mode == "easy":
+            labels = comm.all_gather(labels, self.grid, self.out_axis)
+        return lead, logits, labels
+
     @torch.no_grad()
     def load_full(self, weight: torch.Tensor) -> None:
         self.load_full_weight(weight)
@@ -248,13 +260,7 @@ class LMHead(ShardedWeight):
         return logits
 
     def loss(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        lead = labels.shape
-        labels = labels.reshape(-1)
-        check_in_range(labels, self.valid, "label", f"use labels below {self.valid} or {IGNORE_INDEX} (ignored)",
-                       IGNORE_INDEX)
-        logits = self.logits(hidden)
-        if self.mode == "easy":
-            labels = comm.all_gather(labels, self.grid, self.out_axis)
+        lead, logits, labels = self._logits_and_labels(hidden, labels)
         loss = vocab_parallel_cross_entropy(logits, labels, self.grid, self.out_axis)
         if self.mode == "easy":
             loss = _TakeChunk.apply(loss, self.grid, self.out_axis)
@@ -280,6 +286,16 @@ class LMHead(ShardedWeight):
 
     def _per_token(self, hidden: torch.Tensor, labels: torch.Tensor, fn) -> tuple[torch.Tensor, ...]:
         """fn(logits, labels) -> per-token tensors [N] of the logits' rows, returned in the caller's row layout."""
+        lead, logits, labels = self._logits_and_labels(hidden, labels)
+        out = fn(logits, labels)
+        if self.mode == "easy":  # every Y member computed the whole column's rows: keep this rank's chunk
+            n, i = labels.shape[0] // self.grid.size(self.out_axis), self.grid.coord(self.out_axis)
+            out = tuple(t[i * n:(i + 1) * n] for t in out)
+        return tuple(t.view(lead) for t in out)
+
+    def _logits_and_labels(self, hidden: torch.Tensor, labels: torch.Tensor):
+        """(labels' shape, this rank's logits, labels flat and range-checked: in easy mode gathered over Y, as the
+        rows of the logits are)."""
         lead = labels.shape
         labels = labels.reshape(-1)
         check_in_range(labels, self.valid, "label", f"use labels below {self.valid} or {IGNORE_INDEX} (ignored)",
@@ -287,11 +303,7 @@ class LMHead(ShardedWeight):
         logits = self.logits(hidden)
         if self.mode == "easy":
             labels = comm.all_gather(labels, self.grid, self.out_axis)
-        out = fn(logits, labels)
-        if self.mode == "easy":  # every Y member computed the whole column's rows: keep this rank's chunk
-            n, i = labels.shape[0] // self.grid.size(self.out_axis), self.grid.coord(self.out_axis)
-            out = tuple(t[i * n:(i + 1) * n] for t in out)
-        return tuple(t.view(lead) for t in out)
+        return lead, logits, labels
 
     @torch.no_grad()
     def load_full(self, weight: torch.Tensor) -> None:

@@ -95,7 +95,6 @@ def _init_from_ancestors(model, unset: list[tuple[nn.Module, str]], seed: int, t
             m = parents[id(m)]
             if all(a is not m for a in ancestors):
                 ancestors.append(m)
-    names = {id(m): prefix for prefix, m in model.named_modules()}
     targets = {id(getattr(m, name)) for m, name in unset}
     marked = [t for t in list(model.parameters()) + list(model.buffers())
               if id(t) not in targets and not getattr(t, "_is_hf_initialized", False)]
@@ -121,6 +120,7 @@ def _init_from_ancestors(model, unset: list[tuple[nn.Module, str]], seed: int, t
         raise ValueError(f"{type(model).__name__}: transformers' initializer rewrites {', '.join(tensors[:3])} "
                          "when it sets the tensors its modules leave unset: start from the model's weights "
                          "(model.init, or a model directory with weights)")
+    names = {id(m): prefix for prefix, m in model.named_modules()}
     still = [(f"{names[id(m)]}.{name}", id(getattr(m, name)))
              for m, name in unset if _unset(getattr(m, name))]
     if still:
