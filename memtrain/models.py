@@ -31,6 +31,7 @@ replicated activations would otherwise need identical dropout masks on every rep
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import os
 from pathlib import Path
@@ -159,11 +160,23 @@ def _attention(config, trust_remote_code: bool) -> str | None:
 def _from_config(config, device, dtype, seed: int, trust_remote_code: bool = False):
     from transformers import AutoModelForCausalLM
 
-    # HF draws its random init from the global generator: seed a forked copy, leave the caller's alone.
-    with torch.random.fork_rng(devices=[]), torch.device(device or "cpu"):
-        torch.manual_seed(seed)
+    with seeded_rng(seed, torch.device(device or "cpu")), torch.device(device or "cpu"):
         return AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code,
                                                 attn_implementation=_attention(config, trust_remote_code))
+
+
+@contextlib.contextmanager
+def seeded_rng(seed: int, device: torch.device):
+    """torch's CPU generator and `device`'s own seeded, and both restored on exit. HF draws its random init from
+    these global generators; a caller's draws must not move, and no other GPU's generator is touched (torch.manual_seed
+    would reseed every GPU's)."""
+    cuda = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=cuda):
+        torch.default_generator.manual_seed(seed)
+        for d in cuda:
+            with torch.cuda.device(d):
+                torch.cuda.manual_seed(seed)
+        yield
 
 
 def _hub_error(name: str, err: Exception) -> OSError:

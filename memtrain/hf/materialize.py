@@ -19,6 +19,7 @@ except ImportError:
 
 import parallel
 from memtrain.hf.slots import Builder
+from memtrain.models import seeded_rng
 
 
 def materialize(model, b: Builder, seed: int, seeded: bool, target, loaded_next: bool) -> None:
@@ -29,7 +30,7 @@ def materialize(model, b: Builder, seed: int, seeded: bool, target, loaded_next:
     for s in b.slots:
         s.materialize(seed, seeded, target)
     allocated = []
-    with _seeded_rng(seed, target):
+    with seeded_rng(seed, target):
         for m in model.modules():
             was_meta = {name for name, t in _own_tensors(m) if t.device.type == "meta"}
             if was_meta:
@@ -49,14 +50,6 @@ def materialize(model, b: Builder, seed: int, seeded: bool, target, loaded_next:
         unset = [(m, name) for m, name in unset if id(getattr(m, name)) not in kept]
     # another stream than the first pass's, so a tensor drawn here does not repeat one drawn there
     _init_from_ancestors(model, unset, seed + 1, target)
-
-
-@contextlib.contextmanager
-def _seeded_rng(seed: int, device: torch.device):
-    """torch's generator (and the device's) seeded, and restored as they were on exit."""
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        torch.manual_seed(seed)
-        yield
 
 
 def _own_tensors(m: nn.Module) -> list[tuple[str, torch.Tensor]]:
@@ -102,7 +95,7 @@ def _init_from_ancestors(model, unset: list[tuple[nn.Module, str]], seed: int, t
     for t in marked:
         t._is_hf_initialized = True
     try:
-        with _seeded_rng(seed, target), guard_torch_init_functions():
+        with seeded_rng(seed, target), guard_torch_init_functions():
             for a in ancestors:
                 model._init_weights(a)
                 for m, name in unset:  # the nearest ancestor's values are kept
