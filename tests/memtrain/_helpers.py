@@ -1,5 +1,6 @@
-"""What the `memtrain` command tests share: the command run as a user runs it (a new process, `memtrain`) or in
-this process (`cli`, for the commands' checks that end before any work), a tiny recipe and a small stdlib corpus."""
+"""What the `memtrain` command tests share: the command run as a user runs it (a new process: `memtrain`, forked
+from a warm server, or `memtrain_cold`, a new interpreter) or in this process (`cli`, for the commands' checks that
+end before any work), a tiny recipe and a small stdlib corpus."""
 
 import contextlib
 import io
@@ -8,11 +9,14 @@ import signal
 import subprocess
 import sys
 import sysconfig
+import tempfile
 import traceback
 import warnings
 from pathlib import Path
 
 import torch
+
+from experiments.sweep import warm
 
 ROOT = Path(__file__).resolve().parents[2]
 SETTINGS = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1"}
@@ -22,7 +26,25 @@ CPU_RANKS = dict(ENV, CUDA_VISIBLE_DEVICES="")
 that runs the tests may have one)."""
 
 
-def memtrain(*args, timeout=600) -> subprocess.CompletedProcess:
+def memtrain(*args) -> subprocess.CompletedProcess:
+    """`memtrain ARGS` in a process of its own: its exit code, stdout and stderr. The process is forked from a warm
+    server that imported memtrain's modules once for this test process (experiments.sweep.warm, the runner of the
+    sweep's runs) in ENV and the working directory of `memtrain_cold`: a cold start pays ~5 s of imports per call,
+    a fork milliseconds. What a new interpreter prints on import is `memtrain_cold`'s to check."""
+    global _server
+    if _server is None or _server.ended:
+        _server = warm.Server(ENV)
+    with tempfile.TemporaryDirectory() as logs:
+        code = _server.run([str(a) for a in args], logs, str(ROOT))
+        out, err = (Path(logs, name).read_text("utf-8", "replace") for name in ("stdout.log", "stderr.log"))
+    return subprocess.CompletedProcess(["memtrain", *map(str, args)], code, out, err)
+
+
+_server: warm.Server | None = None
+
+
+def memtrain_cold(*args, timeout=120) -> subprocess.CompletedProcess:
+    """`python -m memtrain ARGS` as a user starts it, a new interpreter."""
     return subprocess.run([sys.executable, "-m", "memtrain", *map(str, args)], capture_output=True, text=True,
                           env=ENV, cwd=ROOT, timeout=timeout)
 

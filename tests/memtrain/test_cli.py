@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.memtrain._helpers import CPU_RANKS, ENV, ROOT, cli, memtrain
+from tests.memtrain._helpers import CPU_RANKS, ENV, ROOT, cli, memtrain, memtrain_cold
 
 COMMANDS = ["train", "eval", "models", "config", "plan", "sweep", "plot", "demo"]
 
@@ -37,7 +37,7 @@ def test_the_command_runs_as_a_new_process(how, tmp_path):
 
     def run(*args):
         if how == "python -m memtrain":
-            return memtrain(*args, timeout=120)
+            return memtrain_cold(*args)
         return subprocess.run([str(script), *map(str, args)], capture_output=True, text=True, env=ENV, cwd=ROOT,
                               timeout=120)
 
@@ -186,7 +186,7 @@ def test_a_distributed_run_evaluates_on_its_grid(on_two_ranks, tmp_path):
     one_process.mkdir()
     for name in ("eval.json", "eval_canaries.jsonl"):
         (on_grid / name).write_bytes((out / name).read_bytes())
-    r = memtrain("eval", str(out), timeout=600)
+    r = memtrain("eval", str(out))
     assert r.returncode == 0, r.stderr[-3000:]
     _assert_same_eval(on_grid, out)
     for name in ("eval.json", "eval_canaries.jsonl"):  # the single-process files, for the comparison below
