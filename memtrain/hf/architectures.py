@@ -14,11 +14,14 @@ The sharded layout is the same for every family (parallel/linear.py's docstring)
 Attention modules then see only their Y member's heads. HF reshapes q/k/v with `view(..., -1, head_dim)`,
 so the local head count follows from the local width; GQA keeps its query-per-kv ratio when both head
 counts split over Y; only GPT-2 keeps a width attribute (`split_size`) that must be set to the local one.
-Easy mode (`Architecture.easy_plan`) turns every Linear/Conv1D of any causal LM into an engine layer.
+Easy mode (`Architecture.easy_plan`) turns every Linear/Conv1D of any causal LM into an engine layer, but for
+those its forward never calls as layers: Mamba's `dt_proj.weight @ x` reads the matrix, which the engine holds as a
+flat shard, so such a layer stays whole and replicated (found by one forward on the meta device).
 """
 
 from __future__ import annotations
 
+import copy
 import functools
 import inspect
 import math
@@ -123,8 +126,10 @@ class Architecture:
         logits_fn, lookup_fn = _around_the_engine(model, inp)
         names = {id(m): n for n, m in model.named_modules()}
         tied = out.weight is inp.weight
-        for name, mod in list(model.named_modules()):
-            if mod is not out and isinstance(mod, (nn.Linear, Conv1D)):
+        linears = [n for n, m in model.named_modules() if m is not out and isinstance(m, (nn.Linear, Conv1D))]
+        called = _called_as_layers(model, linears)
+        for name in linears:
+            if name in called:
                 b.linear(name)
         emb = b.embedding(names[id(inp)])
         b.lm_head(names[id(out)], emb if tied else None).logits_fn = logits_fn
@@ -313,6 +318,37 @@ def _around_the_engine(model, embedding: nn.Embedding):
     if isinstance(embedding.embed_scale, torch.Tensor):  # Gemma: a float32 buffer cast to the table's dtype
         return logits_fn, lambda out: out * torch.tensor(scale, dtype=torch.float32).to(out.dtype)
     return logits_fn, lambda out: out * scale
+
+
+def _called_as_layers(model, names: list[str]) -> set[str]:
+    """Which of the layers `names` the model's forward calls as layers: one forward of a copy on the meta device,
+    where nothing is allocated or computed. A layer the forward uses otherwise (`layer.weight @ x`, as Mamba's and
+    Jamba's time-step projection) or not at all is left out. A meta kernel may be stricter than the real one (torch's
+    grouped GEMM of MoE experts takes bf16 only), so a failed forward is tried again in bf16; one that fails in both
+    tells nothing, and every layer is taken."""
+    for dtype in (None, torch.bfloat16):
+        called: set[str] = set()
+        probe = _meta_copy(model, dtype)
+        for name in names:
+            probe.get_submodule(name).register_forward_pre_hook(lambda mod, args, n=name, seen=called: seen.add(n))
+        try:
+            with torch.no_grad():
+                probe(input_ids=torch.zeros(1, 8, dtype=torch.long, device="meta"))
+            return called
+        except Exception:  # noqa: BLE001 - a kernel without a meta implementation, a data-dependent branch...
+            continue
+    return set(names)
+
+
+def _meta_copy(model, dtype: torch.dtype | None):
+    """The model as built and changed since, on the meta device (floating tensors in `dtype` if given): no weight
+    is copied."""
+    def meta(t):
+        return torch.empty_like(t, device="meta", dtype=dtype if dtype and t.is_floating_point() else t.dtype)
+
+    memo = {id(t): nn.Parameter(meta(t), t.requires_grad) if isinstance(t, nn.Parameter) else meta(t)
+            for t in list(model.parameters()) + list(model.buffers())}
+    return copy.deepcopy(model, memo)
 
 
 def _reads(model, key: str) -> bool:

@@ -30,15 +30,20 @@ def materialize(model, b: Builder, seed: int, seeded: bool, target, loaded_next:
     for s in b.slots:
         s.materialize(seed, seeded, target)
     allocated = []
-    with seeded_rng(seed, target):
-        for m in model.modules():
-            was_meta = {name for name, t in _own_tensors(m) if t.device.type == "meta"}
-            if was_meta:
-                m.to_empty(device=target, recurse=False)
-                for name, t in _own_tensors(m):
-                    if name in was_meta:
-                        _mark_unset(t)
-                        allocated.append((m, name))
+    for m in model.modules():
+        was_meta = {name for name, t in _own_tensors(m) if t.device.type == "meta"}
+        if was_meta:
+            m.to_empty(device=target, recurse=False)
+            for name, t in _own_tensors(m):
+                if name in was_meta:
+                    _mark_unset(t)
+                    allocated.append((m, name))
+    owners = {id(m) for m, _ in allocated}
+    # transformers' order (children first: a mixer's init of its time-step layer wins over the layer's own), and
+    # the engine's tensors protected from an init that reaches into a child layer the engine replaced
+    with seeded_rng(seed, target), _others_protected(model, {id(getattr(m, name)) for m, name in allocated}):
+        for m in _children_first(model):
+            if id(m) in owners:
                 model._init_weights(m)
     model.to(target)
     left = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.device.type == "meta"]
@@ -50,6 +55,45 @@ def materialize(model, b: Builder, seed: int, seeded: bool, target, loaded_next:
         unset = [(m, name) for m, name in unset if id(getattr(m, name)) not in kept]
     # another stream than the first pass's, so a tensor drawn here does not repeat one drawn there
     _init_from_ancestors(model, unset, seed + 1, target)
+
+
+@contextlib.contextmanager
+def _others_protected(model, writable: set[int]):
+    """Every tensor of the model but those in `writable` (ids) marked as transformers marks loaded ones, so that its
+    init functions (torch.nn.init's too, under its guard) skip it; yields a function that protects one more. Only
+    the marks added here are removed; an initializer that wrote a marked tensor anyway is refused."""
+    marked = []
+
+    def protect(t: torch.Tensor) -> None:
+        t._is_hf_initialized = True
+        marked.append((t, t._version))
+
+    for t in list(model.parameters()) + list(model.buffers()):
+        if id(t) not in writable and not getattr(t, "_is_hf_initialized", False):
+            protect(t)
+    try:
+        with guard_torch_init_functions():
+            yield protect
+    finally:
+        for t, _ in marked:
+            del t._is_hf_initialized
+    written = {id(t) for t, version in marked if t._version != version}
+    if written:
+        tensors = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if id(t) in written]
+        raise ValueError(f"{type(model).__name__}: transformers' initializer rewrites {', '.join(tensors[:3])} "
+                         "when it sets the tensors memtrain leaves to it: start from the model's weights "
+                         "(model.init, or a model directory with weights)")
+
+
+def _children_first(m: nn.Module, seen: set[int] | None = None):
+    """Every module once, each after its children (the order transformers initializes a model in)."""
+    seen = set() if seen is None else seen
+    for child in m.children():
+        if id(child) not in seen:
+            yield from _children_first(child, seen)
+    if id(m) not in seen:
+        seen.add(id(m))
+        yield m
 
 
 def _own_tensors(m: nn.Module) -> list[tuple[str, torch.Tensor]]:
@@ -88,31 +132,13 @@ def _init_from_ancestors(model, unset: list[tuple[nn.Module, str]], seed: int, t
             m = parents[id(m)]
             if all(a is not m for a in ancestors):
                 ancestors.append(m)
-    targets = {id(getattr(m, name)) for m, name in unset}
-    marked = [t for t in list(model.parameters()) + list(model.buffers())
-              if id(t) not in targets and not getattr(t, "_is_hf_initialized", False)]
-    versions = [t._version for t in marked]
-    for t in marked:
-        t._is_hf_initialized = True
-    try:
-        with seeded_rng(seed, target), guard_torch_init_functions():
-            for a in ancestors:
-                model._init_weights(a)
-                for m, name in unset:  # the nearest ancestor's values are kept
-                    t = getattr(m, name)
-                    if not _unset(t) and not getattr(t, "_is_hf_initialized", False):
-                        t._is_hf_initialized = True
-                        marked.append(t)
-                        versions.append(t._version)
-    finally:
-        for t in marked:
-            del t._is_hf_initialized
-    written = {id(t) for t, v in zip(marked, versions) if t._version != v}
-    if written:
-        tensors = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if id(t) in written]
-        raise ValueError(f"{type(model).__name__}: transformers' initializer rewrites {', '.join(tensors[:3])} "
-                         "when it sets the tensors its modules leave unset: start from the model's weights "
-                         "(model.init, or a model directory with weights)")
+    with seeded_rng(seed, target), _others_protected(model, {id(getattr(m, name)) for m, name in unset}) as protect:
+        for a in ancestors:
+            model._init_weights(a)
+            for m, name in unset:  # the nearest ancestor's values are kept
+                t = getattr(m, name)
+                if not _unset(t) and not getattr(t, "_is_hf_initialized", False):
+                    protect(t)
     names = {id(m): prefix for prefix, m in model.named_modules()}
     still = [(f"{names[id(m)]}.{name}", id(getattr(m, name)))
              for m, name in unset if _unset(getattr(m, name))]

@@ -35,4 +35,11 @@ GENERIC = {  # families memtrain has no plan for (easy mode only)
     "bloom": dict(vocab_size=96, hidden_size=32, n_layer=1, n_head=4, hidden_dropout=0.0, attention_dropout=0.0),
     # ALiBi of its own, a mask that ignores position ids
     "mpt": dict(vocab_size=96, d_model=32, n_layers=1, n_heads=4, expansion_ratio=2),
+    # state-space blocks whose time-step projection is read as `dt_proj.weight @ x`, not called as a layer
+    "mamba": dict(vocab_size=96, hidden_size=32, num_hidden_layers=2, state_size=8),
+    "falcon_mamba": dict(vocab_size=96, hidden_size=32, num_hidden_layers=2, state_size=8),
+    # Mamba and attention blocks, MoE experts every other block
+    "jamba": dict(vocab_size=96, hidden_size=32, num_hidden_layers=2, intermediate_size=64, num_attention_heads=4,
+                  num_key_value_heads=2, attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2,
+                  expert_layer_offset=1, num_experts=2, mamba_d_state=8, mamba_dt_rank=8),
 }

@@ -1,0 +1,104 @@
+"""Easy mode's plan for any causal LM (memtrain/hf/architectures.py): which layers become engine layers."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import parallel
+from memtrain.hf import parallelize
+from parallel.forked import run_ranks
+from tests.memtrain._models import tiny
+from tests.memtrain.hf.test_parallelize import (
+    GRAD_TOL,
+    LOSS_TOL,
+    SEED,
+    B,
+    S,
+    _rel_each,
+    batch,
+    full_grads,
+    plm_train,
+)
+
+READ_AS_MATRIX = {"mamba": ["backbone.layers.0.mixer.dt_proj", "backbone.layers.1.mixer.dt_proj"],
+                  "falcon_mamba": ["backbone.layers.0.mixer.dt_proj", "backbone.layers.1.mixer.dt_proj"],
+                  "jamba": ["model.layers.0.mamba.dt_proj"]}
+"""The layers each family's forward reads as `layer.weight @ x` (Jamba's block 1 is attention)."""
+
+
+def _split(plm):
+    """(names of the layers left whole, number of engine Linears)."""
+    whole = sorted(n for n, m in plm.model.named_modules() if type(m) is nn.Linear)
+    return whole, sum(isinstance(m, parallel.Linear) for m in plm.model.modules())
+
+
+@pytest.mark.parametrize("family", READ_AS_MATRIX)
+def test_a_layer_the_forward_reads_as_a_matrix_stays_whole(family):
+    """An engine layer holds its weight as a flat shard: Mamba's `dt_proj.weight @ x` was a shape error at the first
+    step. Such a layer stays a whole, replicated nn.Linear, every other one becomes an engine layer, and per-token
+    losses and every gradient equal the plain model's within 1e-5 relative (fp32: the engine's loss sums in
+    another order; measured 5e-7). Jamba's probe forward fails on the meta device in fp32 (torch's grouped GEMM of
+    its experts takes bf16 there) and is answered in bf16."""
+    ref = tiny(family)
+    plm = parallelize(copy.deepcopy(ref), parallel.Grid(1, 1, 1, 1), "easy", weights="model")
+    whole, engine = _split(plm)
+    linears = sum(type(m) is nn.Linear for m in ref.modules()) - 1  # the LM head is the engine's LMHead
+    assert whole == READ_AS_MATRIX[family] and engine == linears - len(whole)
+    ids, labels = batch(0, ref.config.vocab_size)
+    want = F.cross_entropy(ref(ids).logits.flatten(0, 1), labels.flatten(), reduction="none").view(B, S)
+    got = plm.token_losses(ids, labels)
+    assert float((got - want).detach().abs().max() / want.detach().abs().max()) < LOSS_TOL
+    want.sum().backward()
+    got.sum().backward()
+    assert _rel_each(full_grads(plm), {k: p.grad for k, p in ref.named_parameters()}) < GRAD_TOL
+
+
+def test_the_seeded_init_of_a_whole_layer_is_its_models():
+    """transformers initializes a model's layers before their parents, so Mamba's mixer sets its time-step layer
+    after the layer's own init: a bias whose softplus, the initial time step, lies in [time_step_min,
+    time_step_max]. Initialized parents last, the seeded init does too (the layer's own init leaves a zero bias:
+    softplus 0.69)."""
+    plm = parallelize(tiny("mamba", "meta"), parallel.Grid(1, 1, 1, 1), "easy", seed=SEED, device="cpu")
+    cfg = plm.config
+    for layer in READ_AS_MATRIX["mamba"]:
+        step = F.softplus(plm.model.get_submodule(layer).bias.detach())
+        low, high = cfg.time_step_min * (1 - 1e-5), cfg.time_step_max * (1 + 1e-5)  # float32 rounding
+        assert low <= float(step.min()) <= float(step.max()) <= high
+
+
+def _mamba_trains(rank, world):
+    grid = parallel.Grid(1, 1, world, 1, rank=rank)
+    grid.build_groups()
+    plm = parallelize(tiny("mamba", "meta"), grid, "easy", seed=SEED, device="cpu")
+    init = plm.full_state_dict()
+    losses, _, _ = plm_train(plm, grid)
+    return init, losses, plm.full_state_dict()
+
+
+def test_a_whole_layer_trains_alike_on_a_grid():
+    """The whole layer is replicated: its gradient is summed over the ranks' rows like a norm's. The seeded init and
+    3 AdamW steps on Y=2 equal one process: initial weights exactly (HF's own init for the whole layer, drawn alike on
+    every rank), losses within 1e-5 relative, weights within 2e-4 (test_parallelize.py's tolerances and why)."""
+    init, losses, final = _mamba_trains(0, 1)
+    for got_init, got_losses, got_final in run_ranks(2, _mamba_trains):
+        assert all(torch.equal(got_init[k], init[k]) for k in init)
+        assert max(abs(a / b - 1) for a, b in zip(got_losses, losses)) < LOSS_TOL
+        assert max(float((got_final[k] - final[k]).abs().max()) for k in final) < 2e-4
+
+
+class NoMetaLlama(type(tiny("llama", "meta"))):
+    """A model whose forward reads a value (as a data-dependent branch would): it cannot run on the meta device."""
+
+    def forward(self, input_ids=None, **kw):
+        if input_ids.max().item() < 0:
+            raise AssertionError("unreachable")
+        return super().forward(input_ids=input_ids, **kw)
+
+
+def test_a_forward_the_meta_device_cannot_run_leaves_every_layer_to_the_engine():
+    model = NoMetaLlama(tiny("llama", "meta").config)
+    plm = parallelize(model, parallel.Grid(1, 1, 1, 1), "easy", device="meta")
+    assert _split(plm) == ([], 7)
