@@ -101,7 +101,7 @@ class Evaluable(abc.ABC):
     def continuation_logprobs(self, context: Sequence[int], continuations: Sequence[Sequence[int]],
                               batch_size: int = 32, pad_id: int = 0) -> tuple[np.ndarray, list[np.ndarray]]:
         """`continuation_logprobs`; this default scores every context + continuation whole (no cache)."""
-        return _concatenated(self.sequence_logprobs, context, continuations, batch_size, pad_id)
+        return scored_whole(self.sequence_logprobs, context, continuations, batch_size, pad_id)
 
 
 def _accepts(fn, name: str) -> bool:
@@ -116,6 +116,13 @@ def cache_name(model) -> str:
     transformers 5.24 on (where the old name still works but logs a deprecation warning into the output),
     `past_key_values` before."""
     return "cache" if _accepts(model.forward, "cache") else "past_key_values"
+
+
+def cache_repeats(cache) -> bool:
+    """Whether one row's cache can serve a batch (`batch_repeat_interleave`): transformers' attention caches can; a
+    state-space layer's (Mamba's, Jamba's) cannot, and its continuations are scored whole instead."""
+    layers = getattr(cache, "layers", None) or []
+    return hasattr(cache, "batch_repeat_interleave") and all(hasattr(x, "batch_repeat_interleave") for x in layers)
 
 
 class HFStepper:
@@ -329,7 +336,7 @@ def continuation_logprobs(model_or_fn, context: Sequence[int], continuations: Se
     if isinstance(model_or_fn, Evaluable):
         return model_or_fn.continuation_logprobs(context, continuations, batch_size=batch_size, pad_id=pad_id)
     if not isinstance(model_or_fn, torch.nn.Module):
-        return _concatenated(partial(sequence_logprobs, model_or_fn), context, continuations, batch_size, pad_id)
+        return scored_whole(partial(sequence_logprobs, model_or_fn), context, continuations, batch_size, pad_id)
     model, device, p = model_or_fn, _device_of(model_or_fn), len(context)
     past, context_lp, name = None, np.zeros(0), cache_name(model)
     if p > 1:
@@ -338,6 +345,8 @@ def continuation_logprobs(model_or_fn, context: Sequence[int], continuations: Se
         logp = torch.log_softmax(out.logits.float(), dim=-1)
         context_lp = logp.gather(-1, ids[:, 1:, None])[0, :, 0].double().cpu().numpy()
         past = out[name]
+        if not cache_repeats(past):
+            return scored_whole(partial(sequence_logprobs, model), context, continuations, batch_size, pad_id)
 
     def logits_fn(ids):  # a fresh copy of the context's cache per batch: the forward appends to it
         cache = copy.deepcopy(past)
@@ -355,8 +364,8 @@ def continuation_logprobs(model_or_fn, context: Sequence[int], continuations: Se
     return context_lp, out
 
 
-def _concatenated(logprobs_fn, context, continuations, batch_size, pad_id) -> tuple[np.ndarray, list[np.ndarray]]:
-    """`continuation_logprobs` from `sequence_logprobs` of the whole sequences."""
+def scored_whole(logprobs_fn, context, continuations, batch_size, pad_id) -> tuple[np.ndarray, list[np.ndarray]]:
+    """`continuation_logprobs` from `logprobs_fn` (a `sequence_logprobs`) of the whole sequences."""
     seqs = [[*context, *c] for c in continuations] or [list(context)]
     lps = logprobs_fn(seqs, batch_size=batch_size, pad_id=pad_id).logprobs
     k = len(context) - 1

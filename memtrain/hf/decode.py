@@ -32,11 +32,21 @@ from __future__ import annotations
 import copy
 from collections.abc import Sequence
 from contextlib import contextmanager
+from functools import partial
 
 import numpy as np
 import torch
 
-from eval.decode import Evaluable, HFStepper, SeqLogprobs, cache_name, greedy_decode_batch, pad_left
+from eval.decode import (
+    Evaluable,
+    HFStepper,
+    SeqLogprobs,
+    cache_name,
+    cache_repeats,
+    greedy_decode_batch,
+    pad_left,
+    scored_whole,
+)
 from parallel import IGNORE_INDEX, comm, vocab_parallel_argmax
 
 
@@ -223,6 +233,9 @@ def parallel_continuation_logprobs(plm, context: Sequence[int], continuations: S
             ids = torch.as_tensor([list(context)], dtype=torch.long, device=device)
             lp, past = log_probs(ids[:, :-1], ids[:, 1:], None, 0)
             context_lp = lp[0].double().cpu().numpy()
+            if not cache_repeats(past):
+                return scored_whole(partial(parallel_sequence_logprobs, plm), context, continuations, batch_size,
+                                    pad_id)
         seqs = [[context[-1], *continuations[i]] for i in rows]
         for idx, ids, labels, gather in _teacher_batches(plm, seqs, batch_size, pad_id):
             cache = copy.deepcopy(past)  # a fresh copy per batch: the forward appends to it

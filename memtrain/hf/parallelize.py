@@ -123,10 +123,12 @@ class ParallelLM(nn.Module):
                 try:
                     worst = documents.leak(lambda *row: self.token_losses(*(t.to(device) for t in row)),
                                            self.config.vocab_size)
-                except ValueError:
+                except (ValueError, RuntimeError):
                     if not prepared:
                         raise
-                    worst = torch.ones(1, device=device)  # a forward that takes no 4-D mask (one that needs it [b, S])
+                    # a forward that takes no 4-D mask: one that needs it [b, S] (a check refuses it, or Mamba's
+                    # padding mask fails to broadcast)
+                    worst = torch.ones(1, device=device)
                 comm.all_reduce(worst, self.grid, parallel.AXES, op=torch.distributed.ReduceOp.MAX)
                 if worst.item() < 1e-3:  # exactly 0 where documents stay apart
                     return True

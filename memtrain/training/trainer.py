@@ -144,9 +144,9 @@ def train(cfg: RunConfig, out_dir: str | Path, *, resume: bool = False, force: b
     built = run_model_name(out, cfg.model.name) if resume else cfg.model.name  # model_copy: as it trained
     stream, plm = setup(replace(cfg, model=replace(cfg.model, name=built)), grid)
     if stream.document_attention and not plm.isolate_documents():  # before compiling: it runs tiny rows
-        raise ValueError(f"{type(plm.model).__name__} lets the documents packed in a row attend to each other (its "
-                         "attention mask ignores position ids and a block-causal one passed in does not hold, as "
-                         "with flex or flash attention), which data.document_attention forbids: set "
+        raise ValueError(f"{type(plm.model).__name__} lets the documents packed in a row see each other (neither "
+                         "position ids nor a block-causal mask passed in keep them apart, as with flex or flash "
+                         "attention or a state-space recurrence), which data.document_attention forbids: set "
                          "data.document_attention=false (attention across the row, as classic packing; evaluation "
                          "then scores canaries in their in-row context too)")
     if cfg.model.init:

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import parallel
-from eval.decode import sequence_logprobs
+from eval.decode import continuation_logprobs, sequence_logprobs
 from eval.exposure import SlotSpace, exposure
 from memtrain.hf import GridModel, parallelize
 from memtrain.hf.decode import parallel_continuation_logprobs
@@ -115,3 +115,25 @@ def test_empty_context_is_refused():
     plm = parallelize(tiny("gpt2", "meta"), parallel.Grid(1, 1, 1, 1), "easy", seed=SEED, device="cpu")
     with pytest.raises(ValueError, match="non-empty context"):
         parallel_continuation_logprobs(plm, [], [[1, 2]])
+
+
+def _mamba_continuations(rank, world):
+    grid = parallel.Grid(1, 1, world, 1, rank=rank)
+    grid.build_groups()
+    plm = parallelize(tiny("mamba", "meta", initializer_range=STD), grid, "easy", seed=SEED, device="cpu")
+    return parallel_continuation_logprobs(plm, CONTEXT, CONTINUATIONS, batch_size=BATCH)
+
+
+def test_a_state_space_models_continuations_are_scored_whole():
+    """A Mamba cache serves one row only (transformers' state-space cache layers have no batch_repeat_interleave):
+    eval's and the grid's continuations are then scored as whole sequences, within 1e-5 nats of eval's
+    whole-sequence scores (Y=2 in easy mode sums the products in another order)."""
+    hf = plain("mamba")
+    whole = sequence_logprobs(hf, [CONTEXT + c for c in CONTINUATIONS]).logprobs
+    n = len(CONTEXT)
+    for context_lp, lps in [continuation_logprobs(hf, CONTEXT, CONTINUATIONS, batch_size=BATCH),
+                            *run_ranks(2, _mamba_continuations)]:
+        np.testing.assert_allclose(context_lp, whole[0][:n - 1], rtol=0, atol=1e-5)
+        for lp, ref, c in zip(lps, whole, CONTINUATIONS):
+            assert lp.shape == (len(c),)
+            np.testing.assert_allclose(lp, ref[n - 1:], rtol=0, atol=1e-5)

@@ -264,11 +264,12 @@ def test_ctrl_c_names_the_checkpoint_a_resume_starts_from(tmp_path):
 
 def test_a_model_whose_packed_documents_see_each_other_is_refused_document_attention(recipe, tmp_path):
     """OPT under flex attention (its config.json asks for it) takes no plain 4-D mask, and its own mask ignores
-    position ids, so neither keeps packed documents apart: with data.document_attention (the default) a canary
+    position ids, so neither keeps packed documents apart; nor does Mamba's recurrence (a 4-D mask fails in its
+    padding mask): with data.document_attention (the default) a canary
     would be trained in its row's context and evaluated alone, so training is refused with the fix (flex attention
     has no backward on a CPU, so the fix is not run here). OPT in SDPA and BLOOM (ALiBi from a 2-D mask) train
     with the engine's mask (tests/memtrain/hf/test_documents.py)."""
-    def args(family, attention=None):
+    def args(family, attention=None, evaluate=False):
         config = tiny(family, "meta").config
         config.max_position_embeddings = 128  # the recipe's rows of 64 (OPT's learned positions)
         name = f"{family}-{attention}" if attention else family
@@ -277,11 +278,19 @@ def test_a_model_whose_packed_documents_see_each_other_is_refused_document_atten
             path = tmp_path / name / "config.json"
             path.write_text(json.dumps(dict(json.loads(path.read_text()), attn_implementation=attention)))
         return ["train", "--config", recipe, "--set", f"model.name='{tmp_path / name}'", "--set",
-                "train.max_steps=1", "--set", "eval.enabled=false"]
+                "train.max_steps=1", *([] if evaluate else ["--set", "eval.enabled=false"])]
 
     flex = args("opt", "flex_attention")
     error = refused(cli(*flex, "--out", tmp_path / "run"), "OPTForCausalLM lets the documents packed")
     assert "set data.document_attention=false" in error
+    error = refused(cli(*args("mamba"), "--out", tmp_path / "mamba"), "MambaForCausalLM lets the documents packed")
+    assert "a state-space recurrence" in error
     for family in ("opt", "bloom"):
         r = cli(*args(family), "--out", tmp_path / family)
         assert r.returncode == 0, r.stderr[-2000:]
+    # classic packing: Mamba trains (its time-step layer whole: tests/memtrain/hf/test_architectures.py) and its
+    # evaluation scores continuations whole (its cache serves one row: tests/memtrain/hf/test_continuation.py)
+    classic = ["--set", "data.document_attention=false", "--out", tmp_path / "mamba-classic"]
+    r = cli(*args("mamba", evaluate=True), *classic)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert json.loads((tmp_path / "mamba-classic" / "eval.json").read_text())["val_loss"] > 0
