@@ -118,11 +118,10 @@ def cache_name(model) -> str:
     return "cache" if _accepts(model.forward, "cache") else "past_key_values"
 
 
-def cache_repeats(cache) -> bool:
-    """Whether one row's cache can serve a batch (`batch_repeat_interleave`): transformers' attention caches can; a
-    state-space layer's (Mamba's, Jamba's) cannot, and its continuations are scored whole instead."""
-    layers = getattr(cache, "layers", None) or []
-    return hasattr(cache, "batch_repeat_interleave") and all(hasattr(x, "batch_repeat_interleave") for x in layers)
+def stateful(model) -> bool:
+    """Whether the model's cache holds recurrent states (transformers' `_is_stateful`: Mamba, Jamba, Falcon-H1,
+    Zamba...), which one row's cache cannot share with a batch: their continuations are scored whole."""
+    return bool(getattr(model, "_is_stateful", False))
 
 
 class HFStepper:
@@ -337,6 +336,8 @@ def continuation_logprobs(model_or_fn, context: Sequence[int], continuations: Se
         return model_or_fn.continuation_logprobs(context, continuations, batch_size=batch_size, pad_id=pad_id)
     if not isinstance(model_or_fn, torch.nn.Module):
         return scored_whole(partial(sequence_logprobs, model_or_fn), context, continuations, batch_size, pad_id)
+    if stateful(model_or_fn):
+        return scored_whole(partial(sequence_logprobs, model_or_fn), context, continuations, batch_size, pad_id)
     model, device, p = model_or_fn, _device_of(model_or_fn), len(context)
     past, context_lp, name = None, np.zeros(0), cache_name(model)
     if p > 1:
@@ -345,8 +346,6 @@ def continuation_logprobs(model_or_fn, context: Sequence[int], continuations: Se
         logp = torch.log_softmax(out.logits.float(), dim=-1)
         context_lp = logp.gather(-1, ids[:, 1:, None])[0, :, 0].double().cpu().numpy()
         past = out[name]
-        if not cache_repeats(past):
-            return scored_whole(partial(sequence_logprobs, model), context, continuations, batch_size, pad_id)
 
     def logits_fn(ids):  # a fresh copy of the context's cache per batch: the forward appends to it
         cache = copy.deepcopy(past)

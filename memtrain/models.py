@@ -160,7 +160,8 @@ def _attention(config, trust_remote_code: bool) -> str | None:
 def _from_config(config, device, dtype, seed: int, trust_remote_code: bool = False):
     from transformers import AutoModelForCausalLM
 
-    with seeded_rng(seed, torch.device(device or "cpu")), torch.device(device or "cpu"):
+    device = torch.device(device or "cpu")
+    with seeded_rng(seed, device), device:
         return AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code,
                                                 attn_implementation=_attention(config, trust_remote_code))
 

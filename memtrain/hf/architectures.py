@@ -322,17 +322,19 @@ def _around_the_engine(model, embedding: nn.Embedding):
 
 def _called_as_layers(model, names: list[str]) -> set[str]:
     """Which of the layers `names` the model's forward calls as layers: one forward of a copy on the meta device,
-    where nothing is allocated or computed. A layer the forward uses otherwise (`layer.weight @ x`, as Mamba's and
-    Jamba's time-step projection) or not at all is left out. A meta kernel may be stricter than the real one (torch's
-    grouped GEMM of MoE experts takes bf16 only), so a failed forward is tried again in bf16; one that fails in both
-    tells nothing, and every layer is taken."""
+    where nothing is allocated or computed, in eval mode (no layer dropped at random) and drawing from a forked
+    generator. A layer the forward uses otherwise (`layer.weight @ x`, as Mamba's and Jamba's time-step projection)
+    or not at all is left out. A meta kernel may be stricter than the real one (torch's grouped GEMM of MoE experts
+    takes bf16 only), so a failed forward is tried again in bf16; one that fails in both tells nothing, and every
+    layer is taken. A path taken only on a GPU or with kernels installed (Mamba's fused CUDA kernels read more
+    weights as matrices) is not the one probed."""
     for dtype in (None, torch.bfloat16):
         called: set[str] = set()
-        probe = _meta_copy(model, dtype)
-        for name in names:
-            probe.get_submodule(name).register_forward_pre_hook(lambda mod, args, n=name, seen=called: seen.add(n))
         try:
-            with torch.no_grad():
+            probe = _meta_copy(model, dtype).eval()
+            for name in names:
+                probe.get_submodule(name).register_forward_pre_hook(lambda mod, args, n=name, seen=called: seen.add(n))
+            with torch.no_grad(), torch.random.fork_rng(devices=[]):
                 probe(input_ids=torch.zeros(1, 8, dtype=torch.long, device="meta"))
             return called
         except Exception:  # noqa: BLE001 - a kernel without a meta implementation, a data-dependent branch...

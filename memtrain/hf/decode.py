@@ -42,10 +42,10 @@ from eval.decode import (
     HFStepper,
     SeqLogprobs,
     cache_name,
-    cache_repeats,
     greedy_decode_batch,
     pad_left,
     scored_whole,
+    stateful,
 )
 from parallel import IGNORE_INDEX, comm, vocab_parallel_argmax
 
@@ -218,6 +218,8 @@ def parallel_continuation_logprobs(plm, context: Sequence[int], continuations: S
     """
     if len(context) == 0:
         raise ValueError("continuations need a non-empty context (their first token needs one)")
+    if stateful(plm.model):
+        return scored_whole(partial(parallel_sequence_logprobs, plm), context, continuations, batch_size, pad_id)
     device, last, name = next(plm.parameters()).device, len(context) - 1, cache_name(plm.model.base_model)
 
     def log_probs(ids, labels, past, start):  # -> (log p(labels) [b, width], the cache after ids)
@@ -233,9 +235,6 @@ def parallel_continuation_logprobs(plm, context: Sequence[int], continuations: S
             ids = torch.as_tensor([list(context)], dtype=torch.long, device=device)
             lp, past = log_probs(ids[:, :-1], ids[:, 1:], None, 0)
             context_lp = lp[0].double().cpu().numpy()
-            if not cache_repeats(past):
-                return scored_whole(partial(parallel_sequence_logprobs, plm), context, continuations, batch_size,
-                                    pad_id)
         seqs = [[context[-1], *continuations[i]] for i in rows]
         for idx, ids, labels, gather in _teacher_batches(plm, seqs, batch_size, pad_id):
             cache = copy.deepcopy(past)  # a fresh copy per batch: the forward appends to it

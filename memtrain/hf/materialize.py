@@ -39,9 +39,11 @@ def materialize(model, b: Builder, seed: int, seeded: bool, target, loaded_next:
                     _mark_unset(t)
                     allocated.append((m, name))
     owners = {id(m) for m, _ in allocated}
+    loaded = {id(t) for t in model.state_dict(keep_vars=True).values()} if loaded_next else set()
     # transformers' order (children first: a mixer's init of its time-step layer wins over the layer's own), and
     # the engine's tensors protected from an init that reaches into a child layer the engine replaced
-    with seeded_rng(seed, target), _others_protected(model, {id(getattr(m, name)) for m, name in allocated}):
+    with seeded_rng(seed, target), torch.no_grad(), \
+            _others_protected(model, {id(getattr(m, name)) for m, name in allocated}, loaded):
         for m in _children_first(model):
             if id(m) in owners:
                 model._init_weights(m)
@@ -49,19 +51,18 @@ def materialize(model, b: Builder, seed: int, seeded: bool, target, loaded_next:
     left = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.device.type == "meta"]
     if left:
         raise RuntimeError(f"tensors left on the meta device after parallelize: {left[:5]}")
-    unset = [(m, name) for m, name in allocated if _unset(getattr(m, name))]
-    if loaded_next:
-        kept = {id(t) for t in model.state_dict(keep_vars=True).values()}
-        unset = [(m, name) for m, name in unset if id(getattr(m, name)) not in kept]
+    unset = [(m, name) for m, name in allocated if _unset(getattr(m, name)) and id(getattr(m, name)) not in loaded]
     # another stream than the first pass's, so a tensor drawn here does not repeat one drawn there
-    _init_from_ancestors(model, unset, seed + 1, target)
+    _init_from_ancestors(model, unset, seed + 1, target, loaded)
 
 
 @contextlib.contextmanager
-def _others_protected(model, writable: set[int]):
+def _others_protected(model, writable: set[int], loaded: set[int]):
     """Every tensor of the model but those in `writable` (ids) marked as transformers marks loaded ones, so that its
     init functions (torch.nn.init's too, under its guard) skip it; yields a function that protects one more. Only
-    the marks added here are removed; an initializer that wrote a marked tensor anyway is refused."""
+    the marks added here are removed. An initializer that wrote a marked tensor anyway is refused, unless the
+    tensor is in `loaded` (a checkpoint overwrites it next); a write through `.data` escapes the version counter
+    this reads, and is not caught."""
     marked = []
 
     def protect(t: torch.Tensor) -> None:
@@ -77,7 +78,7 @@ def _others_protected(model, writable: set[int]):
     finally:
         for t, _ in marked:
             del t._is_hf_initialized
-    written = {id(t) for t, version in marked if t._version != version}
+    written = {id(t) for t, version in marked if t._version != version and id(t) not in loaded}
     if written:
         tensors = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if id(t) in written]
         raise ValueError(f"{type(model).__name__}: transformers' initializer rewrites {', '.join(tensors[:3])} "
@@ -119,7 +120,8 @@ def _unset(t: torch.Tensor) -> bool:
     return bool((t == torch.iinfo(t.dtype).min).any())
 
 
-def _init_from_ancestors(model, unset: list[tuple[nn.Module, str]], seed: int, target: torch.device) -> None:
+def _init_from_ancestors(model, unset: list[tuple[nn.Module, str]], seed: int, target: torch.device,
+                         loaded: set[int]) -> None:
     """Run HF's initializer on the ancestors of modules whose own left a tensor unset, nearest first, with every
     tensor already set marked as transformers marks loaded ones, so that its init functions (torch.nn.init's too,
     under its guard) skip it; refuse what stays unset, and an initializer that wrote a marked tensor anyway."""
@@ -132,7 +134,8 @@ def _init_from_ancestors(model, unset: list[tuple[nn.Module, str]], seed: int, t
             m = parents[id(m)]
             if all(a is not m for a in ancestors):
                 ancestors.append(m)
-    with seeded_rng(seed, target), _others_protected(model, {id(getattr(m, name)) for m, name in unset}) as protect:
+    writable = {id(getattr(m, name)) for m, name in unset}
+    with seeded_rng(seed, target), torch.no_grad(), _others_protected(model, writable, loaded) as protect:
         for a in ancestors:
             model._init_weights(a)
             for m, name in unset:  # the nearest ancestor's values are kept

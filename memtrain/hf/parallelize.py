@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 import parallel
+from eval.decode import stateful
 from memtrain.config import PARALLEL_MODES
 from memtrain.files import atomic_dir
 from memtrain.hf import blocks, documents
@@ -112,6 +113,8 @@ class ParallelLM(nn.Module):
         """Make position ids that restart inside a row keep its documents apart, and say whether they now do
         (collective, every rank scoring rows of its own): transformers' own packed-sequence mask where the family
         reads position ids, else the engine's block-causal mask (hf/documents.py); False where neither does."""
+        if stateful(self.model):  # a recurrence carries a row's state across its documents, whatever the mask
+            return False
         was, device = self.training, self.grid.device
         self.eval()  # dropout would move the losses too
         documents.alibi_from_documents(self.model.base_model)
@@ -123,12 +126,10 @@ class ParallelLM(nn.Module):
                 try:
                     worst = documents.leak(lambda *row: self.token_losses(*(t.to(device) for t in row)),
                                            self.config.vocab_size)
-                except (ValueError, RuntimeError):
+                except ValueError:
                     if not prepared:
                         raise
-                    # a forward that takes no 4-D mask: one that needs it [b, S] (a check refuses it, or Mamba's
-                    # padding mask fails to broadcast)
-                    worst = torch.ones(1, device=device)
+                    worst = torch.ones(1, device=device)  # a forward that takes no 4-D mask (one that needs it [b, S])
                 comm.all_reduce(worst, self.grid, parallel.AXES, op=torch.distributed.ReduceOp.MAX)
                 if worst.item() < 1e-3:  # exactly 0 where documents stay apart
                     return True

@@ -143,6 +143,11 @@ def train(cfg: RunConfig, out_dir: str | Path, *, resume: bool = False, force: b
 
     built = run_model_name(out, cfg.model.name) if resume else cfg.model.name  # model_copy: as it trained
     stream, plm = setup(replace(cfg, model=replace(cfg.model, name=built)), grid)
+    if plm.config._attn_implementation == "flex_attention" and grid.device.type == "cpu":
+        raise ValueError(f"{type(plm.model).__name__} asks for flex attention (attn_implementation in its "
+                         "config.json), which torch cannot train on a CPU (its FlexAttention has no CPU backward): "
+                         "train on GPUs, or remove attn_implementation from config.json (memtrain then picks SDPA "
+                         "where transformers has it)")
     if stream.document_attention and not plm.isolate_documents():  # before compiling: it runs tiny rows
         raise ValueError(f"{type(plm.model).__name__} lets the documents packed in a row see each other (neither "
                          "position ids nor a block-causal mask passed in keep them apart, as with flex or flash "

@@ -1,6 +1,6 @@
-"""What the `memtrain` command tests share: the command run as a user runs it (a new process: `memtrain`, forked
-from a warm server, or `memtrain_cold`, a new interpreter) or in this process (`cli`, for the commands' checks that
-end before any work), a tiny recipe and a small stdlib corpus."""
+"""What the `memtrain` command tests share: the command run in a process of its own (`memtrain`, forked from a warm
+server, or `memtrain_cold`, a new interpreter as a user starts it) or in this process (`cli`, for the commands'
+checks that end before any work), a tiny recipe and a small stdlib corpus."""
 
 import contextlib
 import io
@@ -30,7 +30,8 @@ def memtrain(*args) -> subprocess.CompletedProcess:
     """`memtrain ARGS` in a process of its own: its exit code, stdout and stderr. The process is forked from a warm
     server that imported memtrain's modules once for this test process (experiments.sweep.warm, the runner of the
     sweep's runs) in ENV and the working directory of `memtrain_cold`: a cold start pays ~5 s of imports per call,
-    a fork milliseconds. What a new interpreter prints on import is `memtrain_cold`'s to check."""
+    a fork milliseconds. What differs from a new interpreter is `memtrain_cold`'s to check: what imports print
+    (once, in the server), and the interpreter's exit (the fork ends with os._exit after main)."""
     global _server
     if _server is None or _server.ended:
         _server = warm.Server(ENV)

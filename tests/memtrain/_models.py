@@ -38,6 +38,9 @@ GENERIC = {  # families memtrain has no plan for (easy mode only)
     # state-space blocks whose time-step projection is read as `dt_proj.weight @ x`, not called as a layer
     "mamba": dict(vocab_size=96, hidden_size=32, num_hidden_layers=2, state_size=8),
     "falcon_mamba": dict(vocab_size=96, hidden_size=32, num_hidden_layers=2, state_size=8),
+    # attention and Mamba-2 side by side in every block (a cache of both)
+    "falcon_h1": dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                      num_key_value_heads=4, mamba_d_ssm=32, mamba_n_heads=4, mamba_d_head=8, mamba_d_state=8),
     # Mamba and attention blocks, MoE experts every other block
     "jamba": dict(vocab_size=96, hidden_size=32, num_hidden_layers=2, intermediate_size=64, num_attention_heads=4,
                   num_key_value_heads=2, attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2,

@@ -69,6 +69,20 @@ def test_the_seeded_init_of_a_whole_layer_is_its_models():
         assert low <= float(step.min()) <= float(step.max()) <= high
 
 
+def test_an_init_that_rescales_an_engine_layer_is_refused_unless_weights_follow():
+    """Mamba's rescale_prenorm_residual divides out_proj's weight in place after drawing it (`p /= sqrt(n)`): on
+    the engine's seeded shard that would be a rescale of another init, so the seeded init is refused with its fix;
+    with weights loaded next (model.init) the rescaled values are overwritten anyway, and the load is exact."""
+    with pytest.raises(ValueError, match=r"rewrites backbone.layers.0.mixer.out_proj.weight, .*start from the "):
+        parallelize(tiny("mamba", "meta", rescale_prenorm_residual=True), parallel.Grid(1, 1, 1, 1), "easy",
+                    seed=SEED, device="cpu")
+    ref = tiny("mamba", rescale_prenorm_residual=True)
+    plm = parallelize(tiny("mamba", "meta", rescale_prenorm_residual=True), parallel.Grid(1, 1, 1, 1), "easy",
+                      seed=SEED, device="cpu", loaded_next=True)
+    plm.load_hf_state_dict(ref.state_dict())
+    assert all(torch.equal(v, ref.state_dict()[k]) for k, v in plm.full_state_dict().items())
+
+
 def _mamba_trains(rank, world):
     grid = parallel.Grid(1, 1, world, 1, rank=rank)
     grid.build_groups()

@@ -117,22 +117,24 @@ def test_empty_context_is_refused():
         parallel_continuation_logprobs(plm, [], [[1, 2]])
 
 
-def _mamba_continuations(rank, world):
+def _continuations_on_y2(rank, world, family):
     grid = parallel.Grid(1, 1, world, 1, rank=rank)
     grid.build_groups()
-    plm = parallelize(tiny("mamba", "meta", initializer_range=STD), grid, "easy", seed=SEED, device="cpu")
+    plm = parallelize(tiny(family, "meta", initializer_range=STD), grid, "easy", seed=SEED, device="cpu")
     return parallel_continuation_logprobs(plm, CONTEXT, CONTINUATIONS, batch_size=BATCH)
 
 
-def test_a_state_space_models_continuations_are_scored_whole():
-    """A Mamba cache serves one row only (transformers' state-space cache layers have no batch_repeat_interleave):
-    eval's and the grid's continuations are then scored as whole sequences, within 1e-5 nats of eval's
-    whole-sequence scores (Y=2 in easy mode sums the products in another order)."""
-    hf = plain("mamba")
+@pytest.mark.parametrize("family", ["mamba", "falcon_h1"])
+def test_a_state_space_models_continuations_are_scored_whole(family):
+    """A cache of recurrent states serves one row only (Mamba's has no batch_repeat_interleave; Falcon-H1's repeats
+    its keys and values but not its states): eval's and the grid's continuations of a stateful model are scored as
+    whole sequences, within 1e-5 nats of eval's whole-sequence scores (Y=2 in easy mode sums the products in another
+    order)."""
+    hf = plain(family)
     whole = sequence_logprobs(hf, [CONTEXT + c for c in CONTINUATIONS]).logprobs
     n = len(CONTEXT)
     for context_lp, lps in [continuation_logprobs(hf, CONTEXT, CONTINUATIONS, batch_size=BATCH),
-                            *run_ranks(2, _mamba_continuations)]:
+                            *run_ranks(2, _continuations_on_y2, family)]:
         np.testing.assert_allclose(context_lp, whole[0][:n - 1], rtol=0, atol=1e-5)
         for lp, ref, c in zip(lps, whole, CONTINUATIONS):
             assert lp.shape == (len(c),)
