@@ -16,12 +16,11 @@ so the local head count follows from the local width; GQA keeps its query-per-kv
 counts split over Y; only GPT-2 keeps a width attribute (`split_size`) that must be set to the local one.
 Easy mode (`Architecture.easy_plan`) turns every Linear/Conv1D of any causal LM into an engine layer, but for
 those its forward never calls as layers: Mamba's `dt_proj.weight @ x` reads the matrix, which the engine holds as a
-flat shard, so such a layer stays whole and replicated (found by one forward on the meta device).
+flat shard, so such a layer stays whole and replicated (found by one forward on the meta device: hf/probe.py).
 """
 
 from __future__ import annotations
 
-import copy
 import functools
 import inspect
 import math
@@ -31,6 +30,7 @@ import torch
 from torch import nn
 
 import parallel
+from memtrain.hf.probe import KEEPS_LOGITS, meta_forward
 from memtrain.hf.slots import Builder, check_divisible
 
 
@@ -123,13 +123,13 @@ class Architecture:
         inp, out = model.get_input_embeddings(), model.get_output_embeddings()
         if not isinstance(inp, nn.Embedding) or out is None:
             raise ValueError(f"{type(model).__name__}: easy mode needs an nn.Embedding input and an output embedding")
-        logits_fn, lookup_fn = _around_the_engine(model, inp)
         names = {id(m): n for n, m in model.named_modules()}
-        tied = out.weight is inp.weight
         linears = [n for n, m in model.named_modules() if m is not out and isinstance(m, (nn.Linear, Conv1D))]
-        called = _called_as_layers(model, linears)
+        seen = meta_forward(model, linears, names[id(out)])
+        logits_fn, lookup_fn = _around_the_engine(model, inp, seen.after_head)
+        tied = out.weight is inp.weight
         for name in linears:
-            if name in called:
+            if name in seen.called:
                 b.linear(name)
         emb = b.embedding(names[id(inp)])
         b.lm_head(names[id(out)], emb if tied else None).logits_fn = logits_fn
@@ -270,12 +270,14 @@ LOGIT_TRANSFORMS = {
     **dict.fromkeys(("cohere", "cohere2", "cohere2_moe"), ("logit_scale", "multiply")),
     **dict.fromkeys(("gemma2", "gemma3_text", "vaultgemma", "nanochat"), ("final_logit_softcapping", "softcap")),
     "falcon_h1": ("lm_head_multiplier", "multiply"),
+    "recurrent_gemma": ("logits_soft_cap", "softcap"),
 }
 """What a *ForCausalLM.forward does to its LM head's logits, per model type, read off transformers' modeling files
 (MiniCPM3 divides the hidden states instead: the same up to rounding). The same field means another operation in
 another family (Granite divides by logits_scaling, HyperCLOVA X multiplies), so only these are carried."""
 
-NEUTRAL = {"logits_scaling": 1, "logit_scale": 1, "final_logit_softcapping": None, "lm_head_multiplier": 1}
+NEUTRAL = {"logits_scaling": 1, "logit_scale": 1, "final_logit_softcapping": None, "lm_head_multiplier": 1,
+           "logits_soft_cap": None}
 """The value of each logit transform's field that leaves the logits as they are; None does too."""
 
 OPERATIONS = {"divide": lambda x, v: x / v, "multiply": lambda x, v: x * v,
@@ -285,14 +287,15 @@ SCORE_ON_ONE_PROCESS = ("training it is not supported; score it on one process (
                         "torchrun), where transformers' own forward runs")
 
 
-def _around_the_engine(model, embedding: nn.Embedding):
+def _around_the_engine(model, embedding: nn.Embedding, after_head: list[str] | None):
     """The engine replaces the input embedding and the LM head, and its loss reads the base model's hidden states:
     what a model does around them in its own forward would be dropped. Returns what the engine's layers must do
     instead: a transform of the logits (LOGIT_TRANSFORMS) and a transform of the lookup (transformers' scaled
     embeddings: Gemma, XGLM, BioGPT, MiniCPM3 multiply it by `embed_scale`), each None where there is none. A
     transform field with another value than NEUTRAL's is refused unless its family is in LOGIT_TRANSFORMS, or is
     transformers' own and its modeling file never reads it (MPT's config holds a logit_scale its code ignores);
-    so is any other custom embedding."""
+    so is any other op the model's forward applies to the LM head's output (`after_head`, from the meta forward; None
+    where it failed) outside the families of LOGIT_TRANSFORMS, and any other custom embedding."""
     name, cfg = type(model).__name__, model.config
     ours = type(model).__module__.startswith("transformers.models.")
     logits_fn = None
@@ -307,6 +310,11 @@ def _around_the_engine(model, embedding: nn.Embedding):
             raise ValueError(f"{name}: config.{key}={value!r} transforms the logits after the LM head in a way the "
                              f"engine does not know, and its vocabulary-parallel loss would skip it: "
                              f"{SCORE_ON_ONE_PROCESS}")
+    unknown = [op for op in dict.fromkeys(after_head or []) if op not in KEEPS_LOGITS]
+    if unknown and not (ours and cfg.model_type in LOGIT_TRANSFORMS):
+        raise ValueError(f"{name}: its forward applies {', '.join(unknown)} to the LM head's logits, a transform "
+                         f"the engine does not know, and its vocabulary-parallel loss would skip it: "
+                         f"{SCORE_ON_ONE_PROCESS}")
     kind = type(embedding)
     if kind.forward is nn.Embedding.forward:
         return logits_fn, None
@@ -318,39 +326,6 @@ def _around_the_engine(model, embedding: nn.Embedding):
     if isinstance(embedding.embed_scale, torch.Tensor):  # Gemma: a float32 buffer cast to the table's dtype
         return logits_fn, lambda out: out * torch.tensor(scale, dtype=torch.float32).to(out.dtype)
     return logits_fn, lambda out: out * scale
-
-
-def _called_as_layers(model, names: list[str]) -> set[str]:
-    """Which of the layers `names` the model's forward calls as layers: one forward of a copy on the meta device,
-    where nothing is allocated or computed, in eval mode (no layer dropped at random) and drawing from a forked
-    generator. A layer the forward uses otherwise (`layer.weight @ x`, as Mamba's and Jamba's time-step projection)
-    or not at all is left out. A meta kernel may be stricter than the real one (torch's grouped GEMM of MoE experts
-    takes bf16 only), so a failed forward is tried again in bf16; one that fails in both tells nothing, and every
-    layer is taken. A path taken only on a GPU or with kernels installed (Mamba's fused CUDA kernels read more
-    weights as matrices) is not the one probed."""
-    for dtype in (None, torch.bfloat16):
-        called: set[str] = set()
-        try:
-            probe = _meta_copy(model, dtype).eval()
-            for name in names:
-                probe.get_submodule(name).register_forward_pre_hook(lambda mod, args, n=name, seen=called: seen.add(n))
-            with torch.no_grad(), torch.random.fork_rng(devices=[]):
-                probe(input_ids=torch.zeros(1, 8, dtype=torch.long, device="meta"))
-            return called
-        except Exception:  # noqa: BLE001 - a kernel without a meta implementation, a data-dependent branch...
-            continue
-    return set(names)
-
-
-def _meta_copy(model, dtype: torch.dtype | None):
-    """The model as built and changed since, on the meta device (floating tensors in `dtype` if given): no weight
-    is copied."""
-    def meta(t):
-        return torch.empty_like(t, device="meta", dtype=dtype if dtype and t.is_floating_point() else t.dtype)
-
-    memo = {id(t): nn.Parameter(meta(t), t.requires_grad) if isinstance(t, nn.Parameter) else meta(t)
-            for t in list(model.parameters()) + list(model.buffers())}
-    return copy.deepcopy(model, memo)
 
 
 def _reads(model, key: str) -> bool:

@@ -377,6 +377,9 @@ AROUND = {  # what each model does around the embedding and LM head the engine r
              ffn_dim=64, dropout=0.0, attention_dropout=0.0, activation_dropout=0.0)),
     "mpt": ("a logit_scale in its config that its forward never reads", dict(vocab_size=64, d_model=32, n_layers=1,
             n_heads=4, expansion_ratio=2, logit_scale=4.0)),
+    "recurrent_gemma": ("logits soft-capped by logits_soft_cap, always (30 by default)", dict(
+        vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64, lru_width=32,
+        block_types=["recurrent", "attention"], head_dim=8)),
 }
 
 
@@ -395,9 +398,11 @@ def _around(family, grid=None):
 def test_what_a_model_does_around_the_replaced_layers_is_carried(family):
     """The engine replaces the embedding and LM head and reads the base model's hidden states, so a scaled lookup
     (Gemma, XGLM, MiniCPM3) or transformed logits (Granite, HyperCLOVA X, Falcon-H1, Cohere, Gemma 2 soft-capping)
-    would be dropped: measured, Granite's loss off by 0.25 nats. The engine's layers carry them: per-token losses
-    and every gradient equal the plain model's within 1e-5 relative (fp32: the engine's loss sums in another order,
-    ~1e-7; MiniCPM3 divides the logits where transformers divides the hidden states, the same up to rounding)."""
+    would be dropped: measured, Granite's loss off by 0.25 nats. The engine's layers carry them (RecurrentGemma's
+    soft-cap, in no field the engine knew, was dropped silently: 2e-5 relative on a fresh model's small logits):
+    per-token losses and every gradient equal the plain model's within 1e-5 relative (fp32: the engine's loss sums
+    in another order, ~1e-7; MiniCPM3 divides the logits where transformers divides the hidden states, the same up
+    to rounding)."""
     ref, plm, ids, labels = _around(family)
     want = F.cross_entropy(ref(ids).logits.flatten(0, 1).float(), labels.flatten(), reduction="none").view(B, S)
     got = plm.token_losses(ids, labels)
@@ -432,6 +437,15 @@ class OwnGranite(__import__("transformers").GraniteForCausalLM):
     """A model's own code (as trust_remote_code loads it): what it does with logits_scaling is unknown."""
 
 
+class OwnCappedLlama(__import__("transformers").LlamaForCausalLM):
+    """A model's own code that soft-caps its logits in its forward, no config field saying so."""
+
+    def forward(self, *args, **kwargs):
+        out = super().forward(*args, **kwargs)
+        out.logits = torch.tanh(out.logits / 30.0) * 30.0
+        return out
+
+
 class OwnScaledWordEmbedding(torch.nn.Embedding):
     def forward(self, ids):
         return super().forward(ids) * 2
@@ -444,6 +458,10 @@ def test_what_the_engine_cannot_carry_is_refused():
     with torch.device("meta"):
         model = OwnGranite(cfg)
     with pytest.raises(ValueError, match="config.logits_scaling=8.0 transforms the logits after the LM head in a way"):
+        parallelize(model, parallel.Grid(1, 1, 1, 1), "easy", device="meta")
+    with torch.device("meta"):  # found by the meta forward (memtrain/hf/probe.py): RecurrentGemma's went unseen
+        model = OwnCappedLlama(tiny("llama", "meta").config)
+    with pytest.raises(ValueError, match="its forward applies div, tanh, mul to the LM head's logits"):
         parallelize(model, parallel.Grid(1, 1, 1, 1), "easy", device="meta")
     model = tiny("llama", "meta")
     model.model.embed_tokens = OwnScaledWordEmbedding(128, 64)
