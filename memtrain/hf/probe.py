@@ -17,7 +17,6 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_leaves
 
 KEEPS_LOGITS = {"__getitem__", "float", "to", "type", "contiguous", "view", "reshape", "detach", "clone"}
 """Ops on the LM head's output that leave its values as they are."""
@@ -58,17 +57,27 @@ class _AfterHead(TorchFunctionMode):
         self.ops: list[str] = []
 
     def follow(self, out) -> None:
-        for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor):
-                self.followed[id(t)] = t
+        for t in _tensors(out):
+            self.followed[id(t)] = t
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        descends = any(isinstance(t, torch.Tensor) and id(t) in self.followed for t in tree_leaves((args, kwargs)))
-        if descends and any(isinstance(t, torch.Tensor) for t in tree_leaves(out)):  # not .shape, .size() ...
+        descends = any(id(t) in self.followed for t in _tensors((args, kwargs)))
+        if descends and _tensors(out):  # not .shape, .size() ...
             self.ops.append(getattr(func, "__name__", str(func)))
             self.follow(out)
         return out
+
+
+def _tensors(obj) -> list[torch.Tensor]:
+    """The tensors in nested tuples, lists and dicts (a model output is a dict)."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, dict):
+        obj = list(obj.values())
+    if isinstance(obj, (tuple, list)):
+        return [t for x in obj for t in _tensors(x)]
+    return []
 
 
 def _meta_copy(model, dtype: torch.dtype | None):
