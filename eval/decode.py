@@ -137,6 +137,7 @@ class HFStepper:
         else:
             self._keep = {}
         self._cache = cache_name(model)
+        self._steps_masked: bool | None = None  # step_mask's answer, once asked
 
     def new_cache(self, batch_size: int, max_len: int):
         config = self.model.config
@@ -151,9 +152,26 @@ class HFStepper:
         return cache
 
     def __call__(self, input_ids, attention_mask, position_ids, cache):
-        out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                         use_cache=True, **{self._cache: cache}, **self._keep)
+        out = self.model(input_ids=input_ids, attention_mask=self.step_mask(input_ids, attention_mask, cache),
+                         position_ids=position_ids, use_cache=True, **{self._cache: cache}, **self._keep)
         return out.logits[:, -1], out[self._cache]
+
+    def step_mask(self, input_ids, attention_mask, cache):
+        """The mask to pass: none on a cached step (a mask longer than the input) of a model whose generation takes
+        none there, as `generate` asks each model (Mamba multiplies its input by the 2-D mask, and zeroed the
+        padding into its state at the prefill already)."""
+        if attention_mask is None or attention_mask.shape[1] == input_ids.shape[1]:
+            return attention_mask
+        if self._steps_masked is None:
+            prepare = self.model.prepare_inputs_for_generation
+            first = {"is_first_iteration": False} if _accepts(prepare, "is_first_iteration") else {}
+            ids = input_ids.new_zeros(attention_mask.shape)
+            try:
+                kept = prepare(ids, attention_mask=attention_mask, use_cache=True, **{self._cache: cache}, **first)
+                self._steps_masked = kept.get("attention_mask") is not None
+            except Exception:  # noqa: BLE001 - a model's own hook with other needs: keep the mask, as before
+                self._steps_masked = True
+        return attention_mask if self._steps_masked else None
 
 
 def as_stepper(model_or_step) -> Stepper:
@@ -180,16 +198,18 @@ def pad_left(seqs: Sequence[Sequence[int]], pad_id: int = 0) -> tuple[torch.Tens
 
 @torch.inference_mode()
 def greedy_decode_batch(step: Stepper, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
-                        n_new: int) -> torch.Tensor:
+                        n_new: int, padded: bool | None = None) -> torch.Tensor:
     """Greedy-decode `n_new` tokens for one left-padded batch; returns [B, n_new] int64.
 
     Position ids follow `generate`: the count of real tokens before each position, so a left-padded row
     sees the same positions as it would unpadded. A mask of all ones is dropped (as `generate` does) so the
-    model can take its unmasked causal fast path.
+    model can take its unmasked causal fast path. `padded` overrides that choice: ranks decoding their shares of
+    one batch must all pass the mask or none (a model may take another path with one, with other collectives).
     """
     b, p = input_ids.shape
     device = input_ids.device
-    padded = attention_mask is not None and not bool(attention_mask.all())
+    if padded is None:
+        padded = attention_mask is not None and not bool(attention_mask.all())
     if padded:
         position_ids = (attention_mask.long().cumsum(-1) - 1).masked_fill(attention_mask == 0, 0)
         # One buffer for the whole run; each step sees a prefix of it instead of a fresh concatenation.

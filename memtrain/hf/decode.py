@@ -87,7 +87,8 @@ class ParallelStepper(HFStepper):
         self.plm = plm
 
     def __call__(self, input_ids, attention_mask, position_ids, cache):
-        out = self.plm.model.base_model(input_ids=input_ids, attention_mask=attention_mask,
+        out = self.plm.model.base_model(input_ids=input_ids,
+                                        attention_mask=self.step_mask(input_ids, attention_mask, cache),
                                         position_ids=position_ids, use_cache=True, **{self._cache: cache})
         hidden = out[0][:, -1]  # [B, H/x] (sharded) or [B, H] (easy)
         return ShardedLogits(self.plm.head.logits(hidden), self.plm.head, input_ids.shape[0]), out[self._cache]
@@ -136,7 +137,8 @@ def parallel_greedy_decode(plm, prefixes: Sequence[Sequence[int]], n_new: int, b
         for idx, seqs in _row_batches(plm, prefixes, batch_size):
             ids, mask = pad_left(seqs, pad_id)
             local = plm.local_rows(len(seqs))
-            gen = greedy_decode_batch(step, ids[local].to(device), mask[local].to(device), n_new)
+            padded = not bool(mask.all())  # the whole batch's: every rank passes its mask, or none does
+            gen = greedy_decode_batch(step, ids[local].to(device), mask[local].to(device), n_new, padded)
             gen = comm.all_gather(gen.contiguous(), plm.grid, plm.row_axes)  # [rows, n_new] in row order
             result[torch.as_tensor(idx)] = gen[:len(idx)].cpu()
     return result

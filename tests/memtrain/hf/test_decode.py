@@ -186,3 +186,28 @@ def test_single_process_and_bad_inputs():
         parallel_greedy_decode(plm, [[1]], 0)
     with pytest.raises(ValueError, match="empty sequence"):
         parallel_sequence_logprobs(plm, [[1, 2], []])
+
+
+def _mamba_decodes(rank, world, seqs):
+    grid = parallel.Grid(1, 1, world, 1, rank=rank)
+    grid.build_groups()
+    plm = parallelize(model("mamba", "meta"), grid, "easy", seed=SEED, device="cpu")
+    return parallel_greedy_decode(plm, seqs, N_NEW, batch_size=2)
+
+
+def test_a_state_space_model_decodes_left_padded_rows_as_each_alone():
+    """Mamba multiplies its input by the 2-D mask, so on a cached step (one token, a longer mask) it must take none,
+    as its generation hook says: with the mask, padded rows decoded garbage. And all ranks pass their mask or none:
+    rows of 3, 3, 5 and 5 tokens on Y=2 pad one rank's rows only, and Mamba's path with a mask runs other
+    collectives (they mismatched). Eval's decoding of the plain model and the grid's both give each row's own
+    `generate` tokens."""
+    seqs = [[5, 6, 7], [3, 4, 5], [9, 8, 7, 6, 5], [1, 2, 3, 4, 5]]
+    hf = model("mamba")
+    init = parallelize(model("mamba", "meta"), parallel.Grid(1, 1, 1, 1), seed=SEED, device="cpu").full_state_dict()
+    hf.load_state_dict(init, strict=not hf.config.tie_word_embeddings)
+    hf.eval()
+    want = torch.stack([hf.generate(torch.tensor([s]), max_new_tokens=N_NEW, do_sample=False, eos_token_id=None,
+                                    pad_token_id=0)[0, len(s):] for s in seqs])
+    assert torch.equal(greedy_decode(hf, seqs, N_NEW, batch_size=4), want)
+    for got in run_ranks(2, _mamba_decodes, seqs):
+        assert torch.equal(got, want)
