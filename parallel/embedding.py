@@ -117,18 +117,6 @@ class Embedding(ShardedWeight):
             return out
         return torch.where((ids == self.padding_idx).unsqueeze(-1), out.detach(), out)
 
-    def _logits_and_labels(self, hidden: torch.Tensor, labels: torch.Tensor):
-        """(labels' shape, this rank's logits, labels flat and range-checked: in easy mode gathered over Y, as the
-        rows of the logits are)."""
-        lead = labels.shape
-        labels = labels.reshape(-1)
-        check_in_range(labels, self.valid, "label", f"use labels below {self.valid} or {IGNORE_INDEX} (ignored)",
-                       IGNORE_INDEX)
-        logits = self.logits(hidden)
-        if self.mode == "easy":
-            labels = comm.all_gather(labels, self.grid, self.out_axis)
-        return lead, logits, labels
-
     @torch.no_grad()
     def load_full(self, weight: torch.Tensor) -> None:
         self.load_full_weight(weight)

@@ -12,17 +12,7 @@ import parallel
 from memtrain.hf import parallelize
 from parallel.forked import run_ranks
 from tests.memtrain._models import tiny
-from tests.memtrain.hf.test_parallelize import (
-    GRAD_TOL,
-    LOSS_TOL,
-    SEED,
-    B,
-    S,
-    _rel_each,
-    batch,
-    full_grads,
-    plm_train,
-)
+from tests.memtrain.hf.test_parallelize import LOSS_TOL, SEED, assert_trains_as_plain, plm_train
 
 READ_AS_MATRIX = {"mamba": ["backbone.layers.0.mixer.dt_proj", "backbone.layers.1.mixer.dt_proj"],
                   "falcon_mamba": ["backbone.layers.0.mixer.dt_proj", "backbone.layers.1.mixer.dt_proj"],
@@ -63,13 +53,7 @@ def test_more_families_train_as_their_plain_model(family):
     ref = AutoModelForCausalLM.from_config(AutoConfig.for_model(family, **FAMILIES[family]))
     plm = parallelize(copy.deepcopy(ref), parallel.Grid(1, 1, 1, 1), "easy", weights="model")
     assert _split(plm)[0] == []
-    ids, labels = batch(0, ref.config.vocab_size)
-    want = F.cross_entropy(ref(ids).logits.flatten(0, 1).float(), labels.flatten(), reduction="none").view(B, S)
-    got = plm.token_losses(ids, labels)
-    assert float((got - want).detach().abs().max() / want.detach().abs().max()) < LOSS_TOL
-    want.sum().backward()
-    got.sum().backward()
-    assert _rel_each(full_grads(plm), {k: p.grad for k, p in ref.named_parameters()}) < GRAD_TOL
+    assert_trains_as_plain(ref, plm)
 
 
 def _split(plm):
@@ -90,13 +74,7 @@ def test_a_layer_the_forward_reads_as_a_matrix_stays_whole(family):
     whole, engine = _split(plm)
     linears = sum(type(m) is nn.Linear for m in ref.modules()) - 1  # the LM head is the engine's LMHead
     assert whole == READ_AS_MATRIX[family] and engine == linears - len(whole)
-    ids, labels = batch(0, ref.config.vocab_size)
-    want = F.cross_entropy(ref(ids).logits.flatten(0, 1), labels.flatten(), reduction="none").view(B, S)
-    got = plm.token_losses(ids, labels)
-    assert float((got - want).detach().abs().max() / want.detach().abs().max()) < LOSS_TOL
-    want.sum().backward()
-    got.sum().backward()
-    assert _rel_each(full_grads(plm), {k: p.grad for k, p in ref.named_parameters()}) < GRAD_TOL
+    assert_trains_as_plain(ref, plm)
 
 
 def test_the_seeded_init_of_a_whole_layer_is_its_models():

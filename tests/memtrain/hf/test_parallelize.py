@@ -403,7 +403,13 @@ def test_what_a_model_does_around_the_replaced_layers_is_carried(family):
     per-token losses and every gradient equal the plain model's within 1e-5 relative (fp32: the engine's loss sums
     in another order, ~1e-7; MiniCPM3 divides the logits where transformers divides the hidden states, the same up
     to rounding)."""
-    ref, plm, ids, labels = _around(family)
+    assert_trains_as_plain(*_around(family)[:2])
+
+
+def assert_trains_as_plain(ref, plm):
+    """On one batch, per-token losses within LOSS_TOL relative and every gradient within GRAD_TOL (`_rel_each`) of
+    the plain transformers model `ref` whose weights `plm` holds."""
+    ids, labels = batch(0, ref.config.vocab_size)
     want = F.cross_entropy(ref(ids).logits.flatten(0, 1).float(), labels.flatten(), reduction="none").view(B, S)
     got = plm.token_losses(ids, labels)
     assert float((got - want).detach().abs().max() / want.detach().abs().max()) < LOSS_TOL
