@@ -163,11 +163,13 @@ class HFStepper:
         if attention_mask is None or attention_mask.shape[1] == input_ids.shape[1]:
             return attention_mask
         if self._steps_masked is None:
-            prepare = self.model.prepare_inputs_for_generation
-            first = {"is_first_iteration": False} if _accepts(prepare, "is_first_iteration") else {}
             ids = input_ids.new_zeros(attention_mask.shape)
+            width = ids.shape[1]  # what generate passes on a cached step, in the spellings of transformers 4 and 5
+            step = {"is_first_iteration": False, "cache_position": torch.arange(width - 1, width, device=ids.device)}
             try:
-                kept = prepare(ids, attention_mask=attention_mask, use_cache=True, **{self._cache: cache}, **first)
+                prepare = self.model.prepare_inputs_for_generation
+                step = {k: v for k, v in step.items() if _accepts(prepare, k)}
+                kept = prepare(ids, attention_mask=attention_mask, use_cache=True, **{self._cache: cache}, **step)
                 self._steps_masked = kept.get("attention_mask") is not None
             except Exception:  # noqa: BLE001 - a model's own hook with other needs: keep the mask, as before
                 self._steps_masked = True
@@ -348,15 +350,14 @@ def continuation_logprobs(model_or_fn, context: Sequence[int], continuations: Se
     when the context is long (a template every candidate secret shares): the context runs once, in a batch
     of one, and its KV cache serves every batch of continuations, which compute only their own tokens. Each
     continuation row opens with the context's last token (kept out of the cache), which predicts the first
-    token. A logits callable has no cache: it scores the whole sequences.
+    token. A logits callable has no cache, and a stateful model's serves one row only: they score the whole
+    sequences.
     """
     if len(context) == 0:
         raise ValueError("continuations need a non-empty context (their first token needs one)")
     if isinstance(model_or_fn, Evaluable):
         return model_or_fn.continuation_logprobs(context, continuations, batch_size=batch_size, pad_id=pad_id)
-    if not isinstance(model_or_fn, torch.nn.Module):
-        return scored_whole(partial(sequence_logprobs, model_or_fn), context, continuations, batch_size, pad_id)
-    if stateful(model_or_fn):
+    if not isinstance(model_or_fn, torch.nn.Module) or stateful(model_or_fn):
         return scored_whole(partial(sequence_logprobs, model_or_fn), context, continuations, batch_size, pad_id)
     model, device, p = model_or_fn, _device_of(model_or_fn), len(context)
     past, context_lp, name = None, np.zeros(0), cache_name(model)

@@ -126,7 +126,7 @@ class Architecture:
         names = {id(m): n for n, m in model.named_modules()}
         linears = [n for n, m in model.named_modules() if m is not out and isinstance(m, (nn.Linear, Conv1D))]
         seen = meta_forward(model, linears, names[id(out)])
-        logits_fn, lookup_fn = _around_the_engine(model, inp, seen.after_head)
+        logits_fn, lookup_fn = _around_the_engine(model, inp, seen.around_head)
         tied = out.weight is inp.weight
         for name in linears:
             if name in seen.called:
@@ -287,15 +287,17 @@ SCORE_ON_ONE_PROCESS = ("training it is not supported; score it on one process (
                         "torchrun), where transformers' own forward runs")
 
 
-def _around_the_engine(model, embedding: nn.Embedding, after_head: list[str] | None):
+def _around_the_engine(model, embedding: nn.Embedding, around_head: list[str] | None):
     """The engine replaces the input embedding and the LM head, and its loss reads the base model's hidden states:
     what a model does around them in its own forward would be dropped. Returns what the engine's layers must do
     instead: a transform of the logits (LOGIT_TRANSFORMS) and a transform of the lookup (transformers' scaled
     embeddings: Gemma, XGLM, BioGPT, MiniCPM3 multiply it by `embed_scale`), each None where there is none. A
     transform field with another value than NEUTRAL's is refused unless its family is in LOGIT_TRANSFORMS, or is
     transformers' own and its modeling file never reads it (MPT's config holds a logit_scale its code ignores);
-    so is any other op the model's forward applies to the LM head's output (`after_head`, from the meta forward; None
-    where it failed) outside the families of LOGIT_TRANSFORMS, and any other custom embedding."""
+    so is any other op the model's forward applies between the hidden states and the logits (`around_head`, from
+    the meta forward) outside the families of LOGIT_TRANSFORMS, and any other custom embedding. Where the meta
+    forward tells nothing (None), a transformers family passes on its config fields alone; a model's own code is
+    refused, as nothing shows what it does to its logits."""
     name, cfg = type(model).__name__, model.config
     ours = type(model).__module__.startswith("transformers.models.")
     logits_fn = None
@@ -310,10 +312,14 @@ def _around_the_engine(model, embedding: nn.Embedding, after_head: list[str] | N
             raise ValueError(f"{name}: config.{key}={value!r} transforms the logits after the LM head in a way the "
                              f"engine does not know, and its vocabulary-parallel loss would skip it: "
                              f"{SCORE_ON_ONE_PROCESS}")
-    unknown = [op for op in dict.fromkeys(after_head or []) if op not in KEEPS_LOGITS]
+    unknown = [op for op in dict.fromkeys(around_head or []) if op not in KEEPS_LOGITS]
     if unknown and not (ours and cfg.model_type in LOGIT_TRANSFORMS):
-        raise ValueError(f"{name}: its forward applies {', '.join(unknown)} to the LM head's logits, a transform "
-                         f"the engine does not know, and its vocabulary-parallel loss would skip it: "
+        raise ValueError(f"{name}: its forward applies {', '.join(unknown)} between its hidden states and its "
+                         f"logits, a transform the engine does not know, and its vocabulary-parallel loss would skip "
+                         f"it: {SCORE_ON_ONE_PROCESS}")
+    if around_head is None and not ours:
+        raise ValueError(f"{name}: its own code does not run on the meta device (or never calls its LM head), so "
+                         f"what it does to its logits cannot be seen, and the engine's loss would skip it: "
                          f"{SCORE_ON_ONE_PROCESS}")
     kind = type(embedding)
     if kind.forward is nn.Embedding.forward:

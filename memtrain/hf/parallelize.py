@@ -271,10 +271,16 @@ def parallelize(model, grid=None, mode: str = "auto", seed: int = 0, *, device=N
     if weights not in WEIGHTS:
         raise ValueError(f"unknown weights {weights!r}: use one of {', '.join(WEIGHTS)}")
     family, arch = model.config.model_type, architecture_of(model.config)
+    # sharded plans are written for transformers' own code of a family; a model's own code may differ in its blocks
+    # or around its head (easy mode's probe looks: architectures.py)
+    ours = type(model).__module__.startswith("transformers.models.")
     if mode == "auto":
-        mode = "sharded" if arch.sharded else "easy"
+        mode = "sharded" if arch.sharded and ours else "easy"
     if mode == "sharded" and not arch.sharded:
         raise ValueError(f"sharded mode supports {', '.join(ARCHITECTURES)}, not {family!r}: use mode='easy'")
+    if mode == "sharded" and not ours:
+        raise ValueError(f"sharded mode follows transformers' own {family} code, not {type(model).__name__}'s: "
+                         "use mode='easy'")
     if getattr(model, "_mt_parallelized", False):
         raise ValueError("this model was already parallelized: build a new one")
     first = next(model.parameters())

@@ -1,12 +1,14 @@
 """One forward of a model on the meta device, where nothing is allocated or computed, to see what its code does
 with the layers the engine replaces: which Linear layers it calls as layers (Mamba reads its time-step projection as
-a matrix, `dt_proj.weight @ x`, which the engine holds as a flat shard), and which ops it applies to the LM head's
-output (a soft-cap or a scale the engine's vocabulary-parallel loss must carry or refuse).
+a matrix, `dt_proj.weight @ x`, which the engine holds as a flat shard), and which ops it applies between the base
+model's hidden states and the logits (a soft-cap or a scale the engine's vocabulary-parallel loss, which reads the
+hidden states, must carry or refuse).
 
 The forward runs on a weightless copy, in eval mode (no layer dropped at random) and on a forked generator. A meta
-kernel may be stricter than the real one (torch's grouped GEMM of MoE experts takes bf16 only), so a failed
-forward is tried again in bf16; one that fails in both tells nothing. A path taken only on a GPU or with kernels
-installed (Mamba's fused CUDA kernels read more weights as matrices) is not the one probed.
+kernel may be stricter than the real one (torch's grouped GEMM of MoE experts takes bf16 only) and a model's cache
+code may want attention layers, so a failed forward is tried again in bf16, then without a cache; one that fails in
+all tells nothing. A path taken only on a GPU or with kernels installed (Mamba's fused CUDA kernels read more
+weights as matrices) is not the one probed.
 """
 
 from __future__ import annotations
@@ -16,55 +18,73 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.overrides import TorchFunctionMode
+from torch.overrides import TorchFunctionMode, resolve_name
 
-KEEPS_LOGITS = {"__getitem__", "float", "to", "type", "contiguous", "view", "reshape", "detach", "clone"}
-"""Ops on the LM head's output that leave its values as they are."""
+KEEPS_LOGITS = {"__getitem__", "float", "half", "bfloat16", "double", "to", "type", "type_as", "contiguous", "view",
+                "view_as", "reshape", "reshape_as", "flatten", "squeeze", "unsqueeze", "detach", "clone",
+                "requires_grad_", "data.__get__"}
+"""Ops on the hidden states or the logits that leave their values as they are (a slice picks rows: logits_to_keep)."""
+
+ATTEMPTS = ((None, {}), (torch.bfloat16, {}), (None, {"use_cache": False}))
+"""(dtype of the copy's floating tensors, forward arguments) of each try, in order."""
 
 
 @dataclass
 class Seen:
     called: set[str]
     """The layers of those asked about that the forward called as layers (all of them when the forward failed)."""
-    after_head: list[str] | None
-    """The ops applied to the LM head's output and what was computed from it, in order; None when it failed."""
+    around_head: list[str] | None
+    """The ops applied to the base model's hidden states before the LM head and to its output after, in order; None
+    when the forward failed or never called the head."""
 
 
 def meta_forward(model, layers: list[str], head: str) -> Seen:
-    """What one forward of `model` does with its `layers` and with the output of `head` (module names)."""
-    for dtype in (None, torch.bfloat16):
+    """What one forward of `model` does with its `layers` and around `head` (module names)."""
+    for dtype, kwargs in ATTEMPTS:
         called: set[str] = set()
-        after = _AfterHead()
+        around = _AroundHead()
         try:
             probe = _meta_copy(model, dtype).eval()
             for name in layers:
                 probe.get_submodule(name).register_forward_pre_hook(lambda mod, args, n=name, seen=called: seen.add(n))
-            probe.get_submodule(head).register_forward_hook(lambda mod, args, out, seen=after: seen.follow(out))
-            with torch.no_grad(), torch.random.fork_rng(devices=[]), after:
-                probe(input_ids=torch.zeros(1, 8, dtype=torch.long, device="meta"))
-            return Seen(called, after.ops)
+            probe.base_model.register_forward_hook(lambda mod, args, out, seen=around: seen.follow(out[0]))
+            probe.get_submodule(head).register_forward_pre_hook(lambda mod, args, seen=around: seen.pause())
+            probe.get_submodule(head).register_forward_hook(lambda mod, args, out, seen=around: seen.follow(out))
+            with torch.no_grad(), torch.random.fork_rng(devices=[]), around:
+                probe(input_ids=torch.zeros(1, 8, dtype=torch.long, device="meta"), **kwargs)
+            return Seen(called, around.ops if around.head_called else None)
         except Exception:  # noqa: BLE001 - a kernel without a meta implementation, a data-dependent branch...
             continue
     return Seen(set(layers), None)
 
 
-class _AfterHead(TorchFunctionMode):
-    """Records every op whose input descends from a followed tensor (the head's output), and follows its output."""
+class _AroundHead(TorchFunctionMode):
+    """Records every op on a followed tensor (the base model's hidden states, then the head's output) or on what was
+    computed from one, and follows its output; the head's own ops are not recorded."""
 
     def __init__(self):
         super().__init__()
         self.followed: dict[int, torch.Tensor] = {}  # by id, holding the tensor so that no id is reused
         self.ops: list[str] = []
+        self.paused = self.head_called = False
 
     def follow(self, out) -> None:
+        self.paused = False
         for t in _tensors(out):
             self.followed[id(t)] = t
 
+    def pause(self) -> None:
+        self.paused = self.head_called = True
+
     def __torch_function__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        descends = any(id(t) in self.followed for t in _tensors((args, kwargs)))
-        if descends and _tensors(out):  # not .shape, .size() ...
-            self.ops.append(getattr(func, "__name__", str(func)))
+        if self.paused or not any(id(t) in self.followed for t in _tensors((args, kwargs))):
+            return out
+        name = resolve_name(func) or getattr(func, "__name__", repr(func))
+        name = name.removeprefix("torch.Tensor.").removeprefix("torch.nn.functional.").removeprefix("torch.")
+        in_place = name == "__setitem__" or (name.endswith("_") and not name.endswith("__"))  # returns no tensor
+        if _tensors(out) or in_place:  # not .shape, .size() ...
+            self.ops.append(name)
             self.follow(out)
         return out
 

@@ -26,6 +26,9 @@ CPU_RANKS = dict(ENV, CUDA_VISIBLE_DEVICES="")
 that runs the tests may have one)."""
 
 
+_server: warm.Server | None = None  # memtrain's, started at its first call
+
+
 def memtrain(*args) -> subprocess.CompletedProcess:
     """`memtrain ARGS` in a process of its own: its exit code, stdout and stderr. The process is forked from a warm
     server that imported memtrain's modules once for this test process (experiments.sweep.warm, the runner of the
@@ -39,9 +42,6 @@ def memtrain(*args) -> subprocess.CompletedProcess:
         code = _server.run([str(a) for a in args], logs, str(ROOT))
         out, err = (Path(logs, name).read_text("utf-8", "replace") for name in ("stdout.log", "stderr.log"))
     return subprocess.CompletedProcess(["memtrain", *map(str, args)], code, out, err)
-
-
-_server: warm.Server | None = None
 
 
 def memtrain_cold(*args, timeout=120) -> subprocess.CompletedProcess:

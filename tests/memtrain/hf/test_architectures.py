@@ -134,6 +134,16 @@ class NoMetaLlama(type(tiny("llama", "meta"))):
 
 
 def test_a_forward_the_meta_device_cannot_run_leaves_every_layer_to_the_engine():
-    model = NoMetaLlama(tiny("llama", "meta").config)
+    """BioGPT's forward reads a value (`.item()`), which the meta device has not: the probe tells nothing, every
+    Linear becomes an engine layer and its config fields alone stand for its logits, as before the probe. A model's
+    own code that cannot run there is refused: nothing shows what it does to its logits."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model("biogpt", vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                                  intermediate_size=64)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
     plm = parallelize(model, parallel.Grid(1, 1, 1, 1), "easy", device="meta")
-    assert _split(plm) == ([], 7)
+    assert _split(plm) == ([], 6)
+    with pytest.raises(ValueError, match="NoMetaLlama: its own code does not run on the meta device"):
+        parallelize(NoMetaLlama(tiny("llama", "meta").config), parallel.Grid(1, 1, 1, 1), "easy", device="meta")

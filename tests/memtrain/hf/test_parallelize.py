@@ -452,6 +452,22 @@ class OwnCappedLlama(__import__("transformers").LlamaForCausalLM):
         return out
 
 
+class OwnMaskedLlama(__import__("transformers").LlamaForCausalLM):
+    """A model's own code that rules tokens out by setting their logits."""
+
+    def forward(self, *args, **kwargs):
+        out = super().forward(*args, **kwargs)
+        out.logits[..., :4] = -1e4
+        return out
+
+
+class OwnScaledHiddenLlama(__import__("transformers").LlamaForCausalLM):
+    """A model's own code that scales the hidden states before its LM head."""
+
+    def forward(self, input_ids=None, **kwargs):
+        return self.lm_head(self.model(input_ids=input_ids, **kwargs)[0] / 8.0)
+
+
 class OwnScaledWordEmbedding(torch.nn.Embedding):
     def forward(self, ids):
         return super().forward(ids) * 2
@@ -465,10 +481,15 @@ def test_what_the_engine_cannot_carry_is_refused():
         model = OwnGranite(cfg)
     with pytest.raises(ValueError, match="config.logits_scaling=8.0 transforms the logits after the LM head in a way"):
         parallelize(model, parallel.Grid(1, 1, 1, 1), "easy", device="meta")
-    with torch.device("meta"):  # found by the meta forward (memtrain/hf/probe.py): RecurrentGemma's went unseen
-        model = OwnCappedLlama(tiny("llama", "meta").config)
-    with pytest.raises(ValueError, match="its forward applies div, tanh, mul to the LM head's logits"):
-        parallelize(model, parallel.Grid(1, 1, 1, 1), "easy", device="meta")
+    # found by the meta forward (memtrain/hf/probe.py): RecurrentGemma's soft-cap went unseen
+    own_code = ((OwnCappedLlama, "div, tanh, mul"), (OwnMaskedLlama, "__setitem__"), (OwnScaledHiddenLlama, "div"))
+    for own, ops in own_code:
+        with torch.device("meta"):
+            model = own(tiny("llama", "meta").config)
+        with pytest.raises(ValueError, match=f"its forward applies {ops} between its hidden states and its logits"):
+            parallelize(model, parallel.Grid(1, 1, 1, 1), "easy", device="meta")
+        with pytest.raises(ValueError, match=f"sharded mode follows transformers' own llama code, not {own.__name__}"):
+            parallelize(model, parallel.Grid(1, 1, 1, 1), "sharded", device="meta")
     model = tiny("llama", "meta")
     model.model.embed_tokens = OwnScaledWordEmbedding(128, 64)
     with pytest.raises(ValueError, match="its input embedding OwnScaledWordEmbedding changes the lookup") as e:
