@@ -23,7 +23,7 @@ from torch.overrides import TorchFunctionMode, resolve_name
 KEEPS_LOGITS = {"__getitem__", "float", "half", "bfloat16", "double", "to", "type", "type_as", "contiguous", "view",
                 "view_as", "reshape", "reshape_as", "flatten", "squeeze", "unsqueeze", "detach", "clone",
                 "requires_grad_", "data.__get__"}
-"""Ops on the hidden states or the logits that leave their values as they are (a slice picks rows: logits_to_keep)."""
+"""Ops on the hidden states or the logits that leave their values as they are (a slice of rows: logits_to_keep)."""
 
 ATTEMPTS = ((None, {}), (torch.bfloat16, {}), (None, {"use_cache": False}))
 """(dtype of the copy's floating tensors, forward arguments) of each try, in order."""
@@ -84,6 +84,8 @@ class _AroundHead(TorchFunctionMode):
         name = name.removeprefix("torch.Tensor.").removeprefix("torch.nn.functional.").removeprefix("torch.")
         in_place = name == "__setitem__" or (name.endswith("_") and not name.endswith("__"))  # returns no tensor
         if _tensors(out) or in_place:  # not .shape, .size() ...
+            if name == "__getitem__" and out.dim() and args[0].dim() and out.shape[-1] != args[0].shape[-1]:
+                name = "a slice of the last dimension"  # fewer logits: another softmax (rows only: logits_to_keep)
             self.ops.append(name)
             self.follow(out)
         return out

@@ -461,6 +461,15 @@ class OwnMaskedLlama(__import__("transformers").LlamaForCausalLM):
         return out
 
 
+class OwnNarrowedLlama(__import__("transformers").LlamaForCausalLM):
+    """A model's own code that keeps the first logits only (a vocabulary padded in its checkpoint)."""
+
+    def forward(self, *args, **kwargs):
+        out = super().forward(*args, **kwargs)
+        out.logits = out.logits[..., :100]
+        return out
+
+
 class OwnScaledHiddenLlama(__import__("transformers").LlamaForCausalLM):
     """A model's own code that scales the hidden states before its LM head."""
 
@@ -482,7 +491,8 @@ def test_what_the_engine_cannot_carry_is_refused():
     with pytest.raises(ValueError, match="config.logits_scaling=8.0 transforms the logits after the LM head in a way"):
         parallelize(model, parallel.Grid(1, 1, 1, 1), "easy", device="meta")
     # found by the meta forward (memtrain/hf/probe.py): RecurrentGemma's soft-cap went unseen
-    own_code = ((OwnCappedLlama, "div, tanh, mul"), (OwnMaskedLlama, "__setitem__"), (OwnScaledHiddenLlama, "div"))
+    own_code = ((OwnCappedLlama, "div, tanh, mul"), (OwnMaskedLlama, "__setitem__"), (OwnScaledHiddenLlama, "div"),
+                (OwnNarrowedLlama, "a slice of the last dimension"))
     for own, ops in own_code:
         with torch.device("meta"):
             model = own(tiny("llama", "meta").config)
