@@ -19,7 +19,6 @@ READ_AS_MATRIX = {"mamba": ["backbone.layers.0.mixer.dt_proj", "backbone.layers.
                   "jamba": ["model.layers.0.mamba.dt_proj"]}
 """The layers each family's forward reads as `layer.weight @ x` (Jamba's block 1 is attention)."""
 
-
 C = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
          intermediate_size=64)
 FAMILIES = {  # state-space, hybrid, linear-attention, convolution and mixture-of-experts blocks
@@ -43,6 +42,12 @@ FAMILIES = {  # state-space, hybrid, linear-attention, convolution and mixture-o
 }
 
 
+def _split(plm):
+    """(names of the layers left whole, number of engine Linears)."""
+    whole = sorted(n for n, m in plm.model.named_modules() if type(m) is nn.Linear)
+    return whole, sum(isinstance(m, parallel.Linear) for m in plm.model.modules())
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_more_families_train_as_their_plain_model(family):
     """Families easy mode was never written for, each a kind of block of its own: every Linear becomes an engine
@@ -54,12 +59,6 @@ def test_more_families_train_as_their_plain_model(family):
     plm = parallelize(copy.deepcopy(ref), parallel.Grid(1, 1, 1, 1), "easy", weights="model")
     assert _split(plm)[0] == []
     assert_trains_as_plain(ref, plm)
-
-
-def _split(plm):
-    """(names of the layers left whole, number of engine Linears)."""
-    whole = sorted(n for n, m in plm.model.named_modules() if type(m) is nn.Linear)
-    return whole, sum(isinstance(m, parallel.Linear) for m in plm.model.modules())
 
 
 @pytest.mark.parametrize("family", READ_AS_MATRIX)

@@ -197,9 +197,9 @@ def _mamba_decodes(rank, world, seqs):
 
 def test_a_state_space_model_decodes_left_padded_rows_as_each_alone():
     """Mamba multiplies its input by the 2-D mask, so on a cached step (one token, a longer mask) it must take none,
-    as its generation hook says: with the mask, padded rows decoded garbage. And all ranks pass their mask or none:
-    rows of 3, 3, 5 and 5 tokens on Y=2 pad one rank's rows only, and Mamba's path with a mask runs other
-    collectives (they mismatched). Eval's decoding of the plain model and the grid's both give each row's own
+    as its generation hook says: with the mask, padded rows decoded garbage (a step broadcast to the mask's length).
+    And all ranks pass their mask or none: rows of 3, 3, 5 and 5 tokens on Y=2 pad one rank's rows only, and the
+    ranks' collectives mismatched. Eval's decoding of the plain model and the grid's both give each row's own
     `generate` tokens."""
     seqs = [[5, 6, 7], [3, 4, 5], [9, 8, 7, 6, 5], [1, 2, 3, 4, 5]]
     hf = model("mamba")

@@ -264,8 +264,8 @@ def test_ctrl_c_names_the_checkpoint_a_resume_starts_from(tmp_path):
 
 def test_a_model_whose_packed_documents_see_each_other_is_refused_document_attention(recipe, tmp_path):
     """OPT under flex attention (its config.json asks for it) takes no plain 4-D mask, and its own mask ignores
-    position ids, so neither keeps packed documents apart; nor does Mamba's recurrence (a 4-D mask fails in its
-    padding mask): with data.document_attention (the default) a canary would be trained in its row's context and
+    position ids, so neither keeps packed documents apart; nor does Mamba's recurrence (it carries a row's state
+    across documents): with data.document_attention (the default) a canary would be trained in its row's context and
     evaluated alone, so training is refused with the fix. Flex attention has no backward on a CPU: there it is
     refused first, with its own fix. OPT in SDPA and BLOOM (ALiBi from a 2-D mask) train with the engine's mask
     (tests/memtrain/hf/test_documents.py)."""
