@@ -46,7 +46,7 @@ each (both models and optimizers stay resident throughout, so each side's peak h
 AdamW state too), and the step's own part of it: that peak above what was allocated when the step began
 (activations, gradients, temporaries). On CPU these fields are None.
 
-Measured on one GPU once (2026-11-24: NVIDIA H100 80GB HBM3, torch 2.11.0+cu130, transformers 5.23, the
+Measured first on one GPU on 2026-11-24 (NVIDIA H100 80GB HBM3, torch 2.11.0+cu130, transformers 5.23, the
 defaults: llama-3.2-1b, bf16, batch 8 x 1024, 10 steps after 2): memtrain 40,236 tok/s, the plain loop 46,021;
 ratio 0.874, paired 0.866 [0.64, 0.89]: BELOW the 0.95 target; MFU 24.0% vs 27.4% of the 989 TFLOP/s datasheet
 peak (then counted as 6 x all parameters per token; today's count, with attention, gives 25.6% vs 29.3%); peak
@@ -63,16 +63,24 @@ reuses the forward's cast weight and clipping stays on the device: 0.905 and 0.9
 says why that matters), but since 2026-11-27 it reads bf16 logits without an fp32 copy of them and its backward
 scales the saved softmax in place, bit for bit as before: two [tokens, vocabulary] fp32 allocations fewer a step
 (128 MiB each at this bench's GPU defaults: 8 x 1024 tokens x the stream's 4096-token vocabulary); the defaults at
-ladder-10m bf16 read 1.005 before, 1.026 and 1.019 after (paired, 30 steps, one session, same CPU). What remains:
-grad_norm's per-tensor fp32 sums (torch's fp32 foreach norm put a sum of squares 14x further from float64's).
-Unmeasured on a GPU since.
+ladder-10m bf16 read 1.005 before, 1.026 and 1.019 after (paired, 30 steps, one session, same CPU).
+On one NVIDIA H200 (2026-11-28, torch 2.11.0+cu130, transformers 5.24, the defaults; its 989 TFLOP/s datasheet peak
+is the H100's): paired 0.943 [0.93, 0.95], MFU 30.8% vs 32.5%; the two profiled steps differed in gradient clipping:
+grad_norm's two kernels per tensor (245 pow, 251 sum) against torch's one multi-tensor norm, and a float64
+coefficient that sent torch's multi-tensor multiply down its per-tensor path (147 mul_). With torch's multi-tensor
+norm off a CPU (parallel/grads.py: a CPU keeps its arithmetic) and an fp32 coefficient for fp32 gradients (bitwise
+the same product): memtrain 50,470 tok/s, the plain loop 51,710; ratio 0.976, paired 0.976 [0.96, 0.98]: the 0.95
+target met; MFU 32.1% vs 32.9%; step-2 losses within 1.4e-5; peak memory 45,783 vs 45,863 MiB (the step's own part
+15,765 vs 15,845).
 
 --compile: train.compile on memtrain's side (ParallelLM.compile_blocks) and nn.Module.compile on the plain loop's
 blocks, the same regions; the warm-up steps then hold the compilations (the packed-document mask present or absent
 is a graph each). On the same CPU, ladder-10m, 20 steps (2026-11-27), memtrain's tok/s and the paired ratio, eager
 then compiled: bf16 4,613 (1.020) then 4,862 (1.045), a second pair 4,580 (1.022) then 4,679 (1.029); fp32 2,552
 (1.004) then 2,489 (1.011). A matmul-bound CPU step gains little; the step-2 losses stayed within 7e-6 of the plain
-loop's. Not run on a GPU yet.
+loop's. On the H200 above (4 warm-up steps): before the clipping change 66,513 vs 71,084 tok/s, paired 0.933, MFU
+42.3% vs 45.2%; after it 70,285 vs 72,468, paired 0.973 [0.95, 1.08], MFU 44.7% vs 46.1% (the issue's 40% met, with
+compiled blocks; eager 32.1%), step-2 losses within 1.0e-5, peak memory 39,639 vs 39,719 MiB.
 
 On a shared, loaded machine absolute figures drift; the paired ratio is the figure to read. With more
 runnable processes than cores, multi-threaded steps stall at OpenMP barriers whenever one thread is
