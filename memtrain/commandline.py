@@ -32,10 +32,25 @@ def run_command(fn) -> int:
         return fn() or 0
     except BaseException as e:  # noqa: BLE001 - each kind ends in _ended; a bug is raised again
         signals.ignore()  # ending already: a SIGTERM now (torchrun's, after a lost rank) would cut it short
+        _release_a_lone_process_group()
         code = _ended(e)
         if code is None:
             raise
         return code
+
+
+def _release_a_lone_process_group() -> None:
+    """A command ending on an error or a signal destroys its process group where it is the only rank, before its
+    line is printed: NCCL's would otherwise warn at exit, after that line (seen on one GPU). With several ranks a
+    graceful destroy waits for collectives a departed peer never completes, so the exit's own teardown stays."""
+    if "parallel" not in sys.modules:  # no process group can have started
+        return
+    import torch.distributed as dist
+
+    import parallel
+
+    if dist.is_initialized() and dist.get_world_size() == 1:
+        parallel.shutdown()
 
 
 def _ended(e: BaseException) -> int | None:

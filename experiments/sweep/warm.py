@@ -20,6 +20,7 @@ on the server itself would fire when the sweep's thread that started it ends, no
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import json
 import os
 import select
@@ -41,13 +42,16 @@ from .launch import (
     subprocess_runner,
 )
 
-MODULES = ["memtrain.cli", "memtrain.config", "memtrain.training", "memtrain.evaluate", "wandb",
+MODULES = ["memtrain.cli", "memtrain.config", "memtrain.training", "memtrain.evaluate",
            "transformers.models.auto.modeling_auto", "transformers.models.llama.modeling_llama", "scipy.stats",
            "sklearn.metrics"]
 """What the server imports: all a `memtrain train` of a named (Llama) model imports, transformers' lazy modules
 included, and what its evaluation imports where it runs (scipy.stats, scikit-learn). None of them starts a Python
 thread or initializes CUDA on import (torch and Arrow start a few idle native threads, as in every process that
 forks DataLoader workers)."""
+IF_INSTALLED = ["wandb"]
+"""Imported too where installed: a run imports wandb only to track to W&B (memtrain.training.tracking), so a cold
+run with W&B off needs none, and neither may the server (a lent GPU's image lacked it; every fork died)."""
 STOP_GRACE_S = 15.0
 """A run told to stop (SIGTERM: it saves its step) gets this long before SIGKILL."""
 
@@ -178,14 +182,19 @@ def _child(request: dict, replies: int) -> None:
         os._exit(code)
 
 
+def preload(modules: list[str], if_installed: list[str]) -> None:
+    """Import `modules`, and those of `if_installed` that are installed, so that every fork starts with them."""
+    for name in modules + [m for m in if_installed if importlib.util.find_spec(m) is not None]:
+        importlib.import_module(name)
+
+
 def serve() -> None:
     """The server's loop: fork a child per request, answer its pid, reap it and answer its exit code."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the runs and the sweep; the sweep closes us
     sweep = os.getppid()
     replies = os.dup(1)
     os.dup2(2, 1)  # what an import prints must not mix with the replies
-    for name in MODULES:
-        importlib.import_module(name)
+    preload(MODULES, IF_INSTALLED)
     children: dict[int, int] = {}
     pending, reading = b"", True
 

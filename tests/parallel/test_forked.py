@@ -7,6 +7,7 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
+from torch.utils._triton import has_triton
 
 from parallel.forked import run_ranks
 
@@ -44,7 +45,12 @@ def test_ranks_compile_after_the_parent_compiled(monkeypatch, tmp_path):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("TORCHINDUCTOR_COMPILE_THREADS", "2")
-    assert float(torch.compile(lambda x: x.sin() + 1)(torch.zeros(3)).sum()) == 3.0
+    try:
+        assert float(torch.compile(lambda x: x.sin() + 1)(torch.zeros(3)).sum()) == 3.0
+    finally:
+        # inductor keeps, per process, whether Triton can compile for a device, here answered with the GPU hidden:
+        # a later test of this worker compiling for a GPU (flex attention's block mask) then met TritonMissing
+        has_triton.cache_clear()
     results = run_ranks(2, _compile_a_new_kernel, timeout=60)
     assert results == pytest.approx([6 * math.cos(1), 9 * math.cos(1)], rel=1e-6)
 

@@ -70,13 +70,23 @@ def test_a_forked_run_trains_bitwise_as_the_command_line_does(tmp_path, monkeypa
 def test_the_warm_servers_imports_leave_it_forkable():
     """What the server imports starts no Python thread (a fork keeps only the forking one: a lock another held
     stays held in the child) and initializes no CUDA (a forked child could not use it)."""
-    probe = ("import importlib, threading, torch; from experiments.sweep.warm import MODULES\n"
-             "for m in MODULES: importlib.import_module(m)\n"
+    probe = ("import threading, torch; from experiments.sweep.warm import IF_INSTALLED, MODULES, preload\n"
+             "preload(MODULES, IF_INSTALLED)\n"
              "print(threading.active_count(), torch.cuda.is_initialized())")
     r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=launch.run_env(),
                        timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.split() == ["1", "False"]
+
+
+def test_the_server_preloads_what_is_installed_of_what_a_run_may_import():
+    """wandb is imported by runs that track to W&B only: where it is missing the server starts all the same (a
+    cold run with W&B off would), where a module every run needs is missing it does not."""
+    sys.modules.pop("colorsys", None)
+    warm.preload(["colorsys"], ["memtrain_no_such_module"])
+    assert "colorsys" in sys.modules
+    with pytest.raises(ModuleNotFoundError, match="memtrain_no_such_module"):
+        warm.preload(["memtrain_no_such_module"], [])
 
 
 def test_sigterm_to_a_sweep_with_runs_side_by_side_stops_every_run(tmp_path):
