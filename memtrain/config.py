@@ -126,7 +126,8 @@ class TrainConfig:
     compilation (seconds to a minute), and results differ from eager ones by rounding only. Under tensor
     parallelism or parallel.tune_matmul the engine's Linears and collectives run eagerly between the compiled
     pieces of a block, and train.activation_checkpointing is refused with it (torch.compile would run a
-    checkpointed block eagerly)."""
+    checkpointed block eagerly). On one H200, llama-3.2-1b in bf16 at batch 8 x 1024: 0.114 s per step, MFU 45.6%
+    and 24.1 GiB peak, against 0.162 s, 32.1% and 30.1 GiB eager (2026-11-28, one run each)."""
     optimizer_offload: bool = False
     """Keep the AdamW moments and fp32 master weights in host memory (pinned on CUDA) and run the update there,
     bucket by bucket as the gradient all-reduce completes. Device memory per parameter falls from 16 bytes
