@@ -83,13 +83,13 @@ steps' worth per case. `given` won 103 of the 108: MKL and oneDNN pack both oper
 explicit copy mostly adds its own cost; the one product another layout wins is the LM head's weight gradient
 (vocab x tokens x hidden, `transposed`: 1.06-1.25x in fp32), too small a share of a step to show. Off also keeps
 bf16 bitwise equal to the untuned path.
-cuda - off, measured on one GPU twice: `memtrain train` of llama-3.2-1b in bf16 at batch 8 x 1024 on grid
-(1,1,1,1) ran 0.204 s per step tuned and 0.205 s untuned on an NVIDIA H100 (2026-11-24), 0.162 s both on an NVIDIA
-H200 (2026-11-28; torch 2.11.0+cu130; medians after the first step, one run each): no gain at one GPU's full-width
-shapes. cuBLAS runs another kernel per transpose flag, where AxoNN
-measured its gains on the smaller shapes of sharded grids: unmeasured here (one GPU was lent), so
-`parallel.tune_matmul = true` stays worth trying on multi-GPU grids; timing adds milliseconds to the first step,
-and the trainer keeps the choices in the run directory, so a resume stays bitwise."""
+cuda - off, measured on one GPU twice: `memtrain train` of llama-3.2-1b in bf16 at batch 8 x 1024 on grid (1,1,1,1)
+ran 0.204 s per step tuned and 0.205 s untuned on an NVIDIA H100 (2026-11-24), 0.162 s both on an NVIDIA H200
+(2026-11-28; torch 2.11.0+cu130; medians after the first step, one run each): no gain at one GPU's full-width
+shapes. cuBLAS runs another kernel per transpose flag, where AxoNN measured its gains on the smaller shapes of
+sharded grids: unmeasured here (one GPU was lent), so `parallel.tune_matmul = true` stays worth trying on multi-GPU
+grids; timing adds milliseconds to the first step, and the trainer keeps the choices in the run directory, so a
+resume stays bitwise."""
 
 
 @dataclass

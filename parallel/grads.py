@@ -127,8 +127,8 @@ def clip_grad_norm_(model_or_params, max_norm: float, grid: Grid) -> torch.Tenso
     """Scale gradients so their global norm is at most max_norm; returns the norm before clipping.
 
     As torch's clip_grad_norm_, the coefficient stays on the device and every gradient is multiplied by it, by
-    exactly 1.0 when nothing is clipped: no host round trip (on a GPU the host goes on launching the optimizer
-    while backward still runs) and one multi-tensor call per dtype. A NaN norm clips nothing; an infinite one zeroes the
+    exactly 1.0 when nothing is clipped: no host round trip (on a GPU the host goes on launching the optimizer while
+    backward still runs) and one multi-tensor call per dtype. A NaN norm clips nothing; an infinite one zeroes the
     gradients."""
     params = unique_parameters(model_or_params)
     norm = grad_norm(params, grid)

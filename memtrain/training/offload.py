@@ -23,9 +23,9 @@ within an ulp or so, i.e. ~1e-6 relative per step rather than bitwise (expected;
 
 Measured on one H100 (2026-11-24; llama-3.2-1b, bf16, batch 8 x 1024, `memtrain train`, medians of steps 4-12): peak
 device memory 16.6 GiB offloaded vs 28.3 GiB not, at 1.96 s per step vs 0.205 s; on one H200 (2026-11-28, medians
-after the first step): 16.55 GiB vs 30.08 GiB, at 1.944 s vs 0.162 s. One GPU has no gradient
-all-reduce to hide the host's AdamW behind, so its ~1B-parameter update on 16 host cores is the step: offload
-buys memory (a model that does not fit otherwise), not speed, at one GPU.
+after the first step): 16.55 GiB vs 30.08 GiB, at 1.944 s vs 0.162 s. One GPU has no gradient all-reduce to hide the
+host's AdamW behind, so its ~1B-parameter update on 16 host cores is the step: offload buys memory (a model that
+does not fit otherwise), not speed, at one GPU.
 
 Gradient clipping needs the global norm, i.e. every bucket summed: with train.grad_clip > 0 what overlaps the
 all-reduce of later buckets is each finished bucket's copy to the host; the math waits for the norm, then runs
