@@ -90,17 +90,18 @@ def _squared_norms(grads: list[torch.Tensor], dev: torch.device, multi_tensor: b
     if not multi_tensor:
         return torch.stack([(g if g.dtype in (torch.float32, torch.float64) else g.float()).square().sum().to(dev)
                             for g in grads])
-    norms = []
-    for dtype, group in _by_dtype(grads).items():  # bf16 and fp16 accumulate in fp32, float64 in itself
-        norms += torch._foreach_norm(group, 2.0, dtype=torch.float64 if dtype == torch.float64 else torch.float32)
-    return torch.stack([n.to(dev, torch.float64) for n in norms]).square()
+    squares = []
+    for (_, dtype), group in _grouped(grads).items():  # bf16 and fp16 accumulate in fp32, float64 in itself
+        norms = torch._foreach_norm(group, 2.0, dtype=torch.float64 if dtype == torch.float64 else torch.float32)
+        squares.append(torch.stack(norms).to(dev, torch.float64).square())  # one cast per group, not per tensor
+    return torch.cat(squares)
 
 
-def _by_dtype(tensors: list[torch.Tensor]) -> dict[torch.dtype, list[torch.Tensor]]:
-    """torch's multi-tensor kernels take one dtype per call (a mixed list goes tensor by tensor)."""
-    groups: dict[torch.dtype, list[torch.Tensor]] = defaultdict(list)
+def _grouped(tensors: list[torch.Tensor]) -> dict[tuple[torch.device, torch.dtype], list[torch.Tensor]]:
+    """torch's multi-tensor kernels take one device and dtype per call (a mixed list goes tensor by tensor)."""
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = defaultdict(list)
     for t in tensors:
-        groups[t.dtype].append(t)
+        groups[t.device, t.dtype].append(t)
     return groups
 
 
@@ -135,8 +136,8 @@ def clip_grad_norm_(model_or_params, max_norm: float, grid: Grid) -> torch.Tenso
     grads = [p.grad for p in params if p.grad is not None]
     coef = max_norm / (norm + 1e-6)
     scale = torch.where(coef < 1.0, coef, 1.0)
-    for dtype, group in _by_dtype(grads).items():
+    for (device, dtype), group in _grouped(grads).items():
         # fp32 gradients get an fp32 factor: the same fp32 product a float64 one gave, but down torch's
         # multi-tensor path, where a float64 factor sends each tensor to a kernel of its own
-        torch._foreach_mul_(group, scale.float() if dtype == torch.float32 else scale)
+        torch._foreach_mul_(group, (scale.float() if dtype == torch.float32 else scale).to(device))
     return norm.float()
