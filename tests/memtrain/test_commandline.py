@@ -9,7 +9,8 @@ from memtrain.commandline import run_command
 from tests.memtrain._helpers import _isolated
 
 
-@pytest.mark.parametrize("raised, code", [(ValueError("a bad value: the fix"), 2), (KeyboardInterrupt(), 130)])
+@pytest.mark.parametrize("raised, code", [(ValueError("a bad value: the fix"), 2), (KeyboardInterrupt(), 130)],
+                         ids=["bad-input", "ctrl-c"])
 def test_an_ending_command_destroys_a_lone_ranks_process_group_before_its_line(raised, code, capsys):
     """A lent GPU showed NCCL's exit warning (destroy_process_group was not called) after the error line, which
     must be the last line on stderr. Gloo prints nothing, so the group's state is what is checked here."""
