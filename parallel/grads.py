@@ -77,8 +77,8 @@ def sync_gradients(model_or_params, grid: Grid) -> None:
             offset += g.numel()
 
 
-def _squared_norms(grads: list[torch.Tensor], dev: torch.device, multi_tensor: bool) -> torch.Tensor | None:
-    """Each gradient's sum of squares, stacked on `dev` (None for no gradients).
+def _squared_norms(grads: list[torch.Tensor], dev: torch.device, multi_tensor: bool) -> torch.Tensor:
+    """Each gradient's sum of squares, stacked on `dev` (empty for no gradients).
 
     grad_norm asks for multi_tensor off a CPU. On a CPU: one fp32 (or wider) cascade sum per tensor, within 1e-8
     of squaring in float64, 6x faster, and the arithmetic of every CPU result so far. Else torch's multi-tensor norm,
@@ -86,7 +86,7 @@ def _squared_norms(grads: list[torch.Tensor], dev: torch.device, multi_tensor: b
     cost an H200 3-4 ms of a 160 ms llama-3.2-1b step and ~500 launches (2026-11-28). Each tensor's norm is then
     taken in fp32 and squared in float64: within a few fp32 ulps of float64's (tests/parallel/test_grads.py)."""
     if not grads:
-        return None
+        return torch.zeros(0, dtype=torch.float64, device=dev)
     if not multi_tensor:
         return torch.stack([(g if g.dtype in (torch.float32, torch.float64) else g.float()).square().sum().to(dev)
                             for g in grads])
@@ -118,7 +118,7 @@ def grad_norm(model_or_params, grid: Grid) -> torch.Tensor:
     counted = [p.grad for p in params
                if all(coords[a] == 0 for a in ("x", "y", "z", "data") if a not in spec_of(p).shard_axes)]
     squares = _squared_norms(counted, dev, multi_tensor=dev.type != "cpu")
-    total = squares.double().sum() if squares is not None else torch.zeros((), dtype=torch.float64, device=dev)
+    total = squares.double().sum()
     comm.all_reduce(total, grid, ("x", "y", "z", "data"))
     return total.sqrt()
 
@@ -129,8 +129,8 @@ def clip_grad_norm_(model_or_params, max_norm: float, grid: Grid) -> torch.Tenso
 
     As torch's clip_grad_norm_, the coefficient stays on the device and every gradient is multiplied by it, by
     exactly 1.0 when nothing is clipped: no host round trip (on a GPU the host goes on launching the optimizer while
-    backward still runs) and one multi-tensor call per dtype. A NaN norm clips nothing; an infinite one zeroes the
-    gradients."""
+    backward still runs) and one multi-tensor call per device and dtype. A NaN norm clips nothing; an infinite one
+    zeroes the gradients."""
     params = unique_parameters(model_or_params)
     norm = grad_norm(params, grid)
     grads = [p.grad for p in params if p.grad is not None]
