@@ -39,8 +39,9 @@ The peak: on CPU memtrain.training.perf.matmul_peak_flops in the run's dtype (at
 the best of re-measurements at the start, between steps and after each model); on CUDA
 memtrain.training.perf.mfu_peak, the one the trainer's MFU uses (the GPU's dense bf16 datasheet peak, or a
 measured matmul for a GPU its table does not know), named in the output.
---profile DIR: one more step of each side after the timed ones, each under torch.profiler, its ops by self time
-(device time on a GPU) written to DIR/<model>_memtrain.txt and _plain.txt: where the two steps differ.
+--profile DIR: the step of each side after the timed ones (every run has one, untimed, so that the LR schedule,
+which spans the run, is the same with and without --profile) under torch.profiler, its ops by self time (device
+time on a GPU) written to DIR/<model>_memtrain.txt and _plain.txt: where the two steps differ.
 Peak memory, on CUDA only: torch.cuda.max_memory_allocated over each side's steps, its counter reset before
 each (both models and optimizers stay resident throughout, so each side's peak holds the other's weights and
 AdamW state too), and the step's own part of it: that peak above what was allocated when the step began
@@ -245,7 +246,7 @@ def _write_profile(prof, device: torch.device, path: str) -> None:
 
 
 def run_model(name: str, args) -> dict:
-    total = args.warmup + args.steps + (1 if args.profile else 0)  # the profiled pair comes after the timed steps
+    total = args.warmup + args.steps + 1  # the last step, untimed, is the one --profile profiles
     cfg = make_config(name, args, total)
     state: dict = {"mt": [], "plain": []}
 
@@ -261,12 +262,13 @@ def run_model(name: str, args) -> dict:
 
     def on_step(record):
         device = state["device"]
-        if record["step"] == total and args.profile:  # memtrain's step ran under the profiler: the plain one next
-            state["profiler"].stop()
-            _write_profile(state["profiler"], device, os.path.join(args.profile, f"{name}_memtrain.txt"))
-            with _profiler(device) as prof:
-                state["plain_loop"].step(record["step"] - 1)
-            _write_profile(prof, device, os.path.join(args.profile, f"{name}_plain.txt"))
+        if record["step"] == total:
+            if args.profile:  # memtrain's step ran under the profiler: the plain one next
+                state["profiler"].stop()
+                _write_profile(state["profiler"], device, os.path.join(args.profile, f"{name}_memtrain.txt"))
+                with _profiler(device) as prof:
+                    state["plain_loop"].step(record["step"] - 1)
+                _write_profile(prof, device, os.path.join(args.profile, f"{name}_plain.txt"))
             return
         # memtrain's CPU seconds: everything since the previous plain step ended (its step, plus
         # train()'s few lines of bookkeeping after it; step 1 also holds the optimizer's setup).
@@ -382,8 +384,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--verbose", action="store_true", help="print every step")
     ap.add_argument("--json", default=None, help="write the results to this file")
     ap.add_argument("--profile", default=None, metavar="DIR",
-                    help="after the timed steps, one more step of each side under torch.profiler: its ops by self "
-                         "time (on a GPU, device time) in DIR/<model>_memtrain.txt and DIR/<model>_plain.txt")
+                    help="the untimed step of each side after the timed ones under torch.profiler: its ops by "
+                         "self time (on a GPU, device time) in DIR/<model>_memtrain.txt and DIR/<model>_plain.txt")
     args = ap.parse_args(argv)
     for key, value in DEFAULTS[args.device].items():
         if getattr(args, key) is None:

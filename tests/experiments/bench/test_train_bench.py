@@ -6,6 +6,8 @@ positive (on the CPU against its measured matmul), and the peak-memory fields ar
 each side's step part positive and within its peak.
 The documents are shorter than a row, so rows pack several and their position_ids restart inside them: the losses
 agree only if the plain loop attends within documents as memtrain does.
+A run with --profile trains the same steps as one without: step 2's losses are equal (the profiled step, after the
+timed ones, is in every run, so the LR schedule spanning the run is the same).
 `--device cuda` where torch sees no GPU (hidden by CUDA_VISIBLE_DEVICES on a machine that has one) ends in one
 line naming the fix, exit status 1.
 """
@@ -63,6 +65,14 @@ def test_memtrain_against_the_plain_loop(data, device, precision, tmp_path):
     stream = build_stream(cfg.data, cfg.canaries, seed=cfg.train.seed, batch_size=cfg.train.batch_size)
     pos = stream.batch(0, 2)["position_ids"]
     assert (pos[:, 1:] <= pos[:, :-1]).any(dim=1).all()  # every row of step 1 holds a document boundary
+
+
+@ON_CPU
+def test_profiling_leaves_the_timed_steps_as_they_are(data, tmp_path):
+    with contextlib.redirect_stdout(io.StringIO()):
+        (profiled,) = bench.main([*data, "--profile", str(tmp_path)])
+        (plain,) = bench.main(data)
+    assert profiled["loss2"] == plain["loss2"]
 
 
 def test_cuda_without_a_gpu_is_one_line_naming_the_fix():
