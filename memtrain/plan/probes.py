@@ -1,7 +1,9 @@
 """Probes of this machine for the planner's table: what `memtrain plan --measure` runs, on every rank at once.
 
 Ranks that share a CPU's cores (or a node's memory bandwidth) share them in the probes as in training, so every
-rate is one rank's while all run; in a process group each rank returns the mean over ranks of every timing.
+rate is one rank's while all run: each timing's windows end at the same deadlines on every rank (`_timed`), and
+matmuls take operands no cache holds (MATMUL_OPERAND_BYTES), as a step's do. In a process group each rank returns
+the mean over ranks of every timing.
 - collectives: `collectives.measure_collectives` (each op's time per group size and payload: alone, streamed, chained);
 - matmuls: GFLOP/s per shape (`measure_matmuls`);
 - what a step spends besides matmuls (`measure_other`), each rate timed on the torch ops a step runs, at sizes
@@ -47,6 +49,15 @@ MATMUL_DIMS = (8, 32, 128, 512, 2048)
 """Sizes of m, k and n the matmul probe crosses (on GPUs 8192 too): the shard shapes of small and large models."""
 MATMUL_BUDGET = {"cpu": 2**28, "cuda": 2**36}
 """Largest m*k*n timed per device type; a larger shape takes the best rate timed at a shape inside it."""
+MATMUL_OPERAND_BYTES = {"cpu": 2**25, "cuda": 0}
+"""Per device type, the bytes of distinct operands each shape's calls take in turn (at least one pair). A step's
+matmuls each meet operands no cache holds (weights read once per pass, activations other kernels wrote), and on a
+CPU whose cores several ranks share, the operands of one pair called again stay cached across the ranks' turns:
+on 8 ranks sharing 2 cores (Intel Xeon, 4 MiB of L2 in all) a ladder-1m step's 129 matmuls on operands of their
+own took 1.45x what the same calls took on one pair per shape (one rank alone: 1.09x). 32 MiB exceeds a CPU
+core's L2; on a GPU, whose large products are compute-bound, one pair."""
+MATMUL_OPERAND_PAIRS = 256
+"""At most this many pairs per shape: more would only cost setup at the sizes where a call's fixed cost is its time."""
 ELEMENTS = {"cpu": (2**14, 2**17), "cuda": (2**20, 2**24)}
 """The two sizes (elements) each elementwise kind is timed at: a tiny model's activations on a CPU rank, a large
 model's on a GPU."""
@@ -66,36 +77,41 @@ def _mean_over_ranks(seconds: list[float], device) -> list[float]:
     return (t / dist.get_world_size()).tolist()
 
 
-def _timed(fn, cuda: bool, min_seconds: float) -> float:
-    if dist.is_initialized():
-        dist.barrier()  # every rank runs the probe at the same time
-    return _loop_seconds(fn, (), cuda, min_seconds)
-
-
 def measure_matmuls(precisions=("fp32", "bf16"), device=None, min_seconds: float = 0.02) -> dict:
     """GFLOP/s of [m, k] x [k, n] for m, k, n over MATMUL_DIMS, per precision (`Network.matmuls`).
 
     Run it on every rank at once, as training runs: ranks sharing a CPU's cores share them here too, so the rates
-    are what one rank gets. Each shape: a warm-up call, then the median of 3 timed loops of at least `min_seconds`.
+    are what one rank gets. Each shape is timed as `_timed` says, its calls taking the operand pairs of
+    MATMUL_OPERAND_BYTES in turn.
     In a process group every rank returns the same table, from the mean over ranks of each shape's seconds."""
     device = torch.device(device or "cpu")
     cuda = device.type == "cuda"
     dims = MATMUL_DIMS + ((8192,) if cuda else ())
-    shapes = [s for s in itertools.product(dims, repeat=3) if math.prod(s) <= MATMUL_BUDGET["cuda" if cuda else "cpu"]]
+    where = "cuda" if cuda else "cpu"
+    shapes = [s for s in itertools.product(dims, repeat=3) if math.prod(s) <= MATMUL_BUDGET[where]]
+    largest = max(m * k + k * n for m, k, n in shapes)
     g = torch.Generator().manual_seed(0)
     out = {}
     for precision in precisions:
         dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+        pool = torch.randn(max(largest, MATMUL_OPERAND_BYTES[where] // dtype.itemsize), generator=g).to(device, dtype)
         seconds = []
         for m, k, n in shapes:
-            a, b = (torch.randn(r, c, generator=g).to(device, dtype) for r, c in ((m, k), (k, n)))
-            if dist.is_initialized():
-                dist.barrier()  # every rank multiplies at the same time
-            seconds.append(_loop_seconds(torch.mm, (a, b), cuda, min_seconds))
+            size = m * k + k * n
+            count = max(1, min(MATMUL_OPERAND_PAIRS, MATMUL_OPERAND_BYTES[where] // (size * dtype.itemsize)))
+            pairs = [(pool[i * size:i * size + m * k].view(m, k), pool[i * size + m * k:(i + 1) * size].view(k, n))
+                     for i in range(count)]
+            seconds.append(_timed(_in_turn(torch.mm, pairs), cuda, min_seconds))
         rate = {s: 2 * math.prod(s) / t / 1e9 for s, t in zip(shapes, _mean_over_ranks(seconds, device))}
         out[precision] = {"dims": list(dims), "gflops": [[[_rate_at(rate, (m, k, n)) for n in dims] for k in dims]
                                                          for m in dims]}
     return out
+
+
+def _in_turn(fn, operands: list):
+    """A call of fn on the next of `operands` (tuples of arguments) each time, round and round."""
+    turn = itertools.cycle(operands)
+    return lambda: fn(*next(turn))
 
 
 def _rate_at(rate: dict, shape: tuple) -> float:
@@ -105,21 +121,39 @@ def _rate_at(rate: dict, shape: tuple) -> float:
     return max(r for s, r in rate.items() if all(a <= b for a, b in zip(s, shape)))
 
 
-def _loop_seconds(fn, args, cuda: bool, min_seconds: float) -> float:
+def _timed(fn, cuda: bool, min_seconds: float) -> float:
+    """Seconds per call of fn: a warm-up call, then the median of 3 windows of at least `min_seconds` each.
+
+    On a CPU the windows end at the same deadlines on every rank of a process group (counted from a barrier), each
+    rank calling fn until then, so that every rank keeps its share of the cores busy for the whole window, as all
+    ranks do in a step. Loops of a count each rank sized from one timed call ended at different times instead, and
+    the ranks done early left the rest the cores: on 8 ranks sharing 2 cores (Intel Xeon, 2026-11-28) the shapes of
+    a ladder-1m step's matmuls then took 3.1x their time on one rank alone, less than the 4x that sharing 2 cores
+    among 8 ranks must cost; timed to deadlines, 4.1x. A GPU is each rank's own: a count of calls sized from one,
+    synchronised once."""
     sync = torch.cuda.synchronize if cuda else lambda: None
-    fn(*args)  # warm-up
+    fn()  # warm-up
     sync()
+    if dist.is_initialized():
+        dist.barrier()  # every rank runs the probe at the same time
     start = time.perf_counter()
-    fn(*args)
-    sync()
-    reps = max(1, math.ceil(min_seconds / max(time.perf_counter() - start, 1e-9)))
-    samples = []
-    for _ in range(3):
-        start = time.perf_counter()
-        for _ in range(reps):
-            fn(*args)
+    if cuda:
+        fn()
         sync()
-        samples.append((time.perf_counter() - start) / reps)
+        calls = max(1, math.ceil(min_seconds / max(time.perf_counter() - start, 1e-9)))
+    samples = []
+    for window in range(1, 4):
+        begin, done = time.perf_counter(), 0
+        if cuda:
+            for _ in range(calls):
+                fn()
+            sync()
+            done = calls
+        else:
+            while not done or time.perf_counter() < start + window * min_seconds:
+                fn()
+                done += 1
+        samples.append((time.perf_counter() - begin) / done)
     return statistics.median(samples)
 
 
