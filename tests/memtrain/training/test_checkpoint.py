@@ -162,9 +162,11 @@ def test_full_tensor_checkpoints_of_earlier_versions_still_load(tmp_path):
     assert all(torch.equal(other.full_state_dict()[k], v) for k, v in full.items())
 
 
-# The memory test: the largest ladder model on 8 ranks, and the next steps' losses after resharding.
+# The memory test: a ladder model on 8 ranks, and the next steps' losses after resharding. ladder-30m, not the
+# largest: at 3x fewer bytes the bound still sits at half of what gathering the weights alone costs, in a third
+# of the time.
 
-LADDER = "ladder-100m"
+LADDER = "ladder-30m"
 VOCAB = 4096
 
 
@@ -225,11 +227,12 @@ def _resume(rank, world, degrees, root):
     return growth, *_bytes(plm, opt), [_step(plm, grid, opt, s) for s in (1, 2)]
 
 
-def test_largest_ladder_saves_and_loads_its_shards_only_and_resumes_on_any_grid(tmp_path):
+def test_a_ladder_model_saves_and_loads_its_shards_only_and_resumes_on_any_grid(tmp_path):
     """Peak RSS growth of every rank while saving and loading stays below its shard (weights and both AdamW
     moments) plus the largest full tensor plus MARGIN: gathering the model, as rank-0 checkpoints do, would
-    need 12 bytes per parameter of the whole model (1.2 GB here) instead of 141 MB (save) or 281 MB (load, 4-way
-    shards) per rank. Loading allocates the moments and maps the pages of the pieces it reads (RSS counts both).
+    need 12 bytes per parameter of the whole model (342 MiB here) instead of 43 MiB (save) or 86 MiB (load,
+    4-way shards) per rank; gathering its weights alone measured 173-180 MiB on each rank, against a bound of 99.
+    Loading allocates the moments and maps the pages of the pieces it reads (RSS counts both).
     The losses of the two steps after resuming, on the saving grid's transpose (2,2,1,2) and on one process,
     equal those of the uninterrupted run: the second one depends on the restored AdamW moments and step count."""
     saved = run_ranks(8, _train_and_save, tmp_path)
