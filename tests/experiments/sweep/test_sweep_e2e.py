@@ -48,7 +48,7 @@ def test_tiny_sweep_end_to_end(tmp_path, monkeypatch):
         exposure_samples = 16
         val_docs = 4
         [axes]
-        "model.name" = ["ladder-1m", "ladder-3m"]
+        "model.name" = ["width-32", "width-64"]
         loss = [{{ kind = "standard" }}, {{ kind = "goldfish", k = 4 }}]
         [pretrain]
         steps = 3
@@ -58,8 +58,8 @@ def test_tiny_sweep_end_to_end(tmp_path, monkeypatch):
     assert cli.main([str(spec_path), "--out", str(out), "--wandb", "offline"]) == 0
 
     rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
-    assert [r["point"] for r in rows] == ["ladder-1m_standard", "ladder-1m_goldfish-k4", "ladder-3m_standard",
-                                         "ladder-3m_goldfish-k4"]
+    assert [r["point"] for r in rows] == ["width-32_standard", "width-32_goldfish-k4", "width-64_standard",
+                                         "width-64_goldfish-k4"]
     for r in rows:
         assert r["status"] == "ok", r["error"]
         ev = r["eval"]
