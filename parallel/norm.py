@@ -35,7 +35,7 @@ class _AllReduceSum(torch.autograd.Function):
         return g, None, None
 
 
-@torch.compiler.disable  # an in-place collective: eager inside compiled code, as parallel.Linear's grid path
+@comm.eager_under_compile  # an in-place collective: eager inside compiled code, as parallel.Linear's grid path
 def all_reduce_sum(t: torch.Tensor, grid: Grid, axis) -> torch.Tensor:
     """Autograd-aware sum over `axis` of partial results that every member goes on to use."""
     if grid.size(axis) == 1:

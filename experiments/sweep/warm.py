@@ -43,9 +43,10 @@ from .launch import (
 
 MODULES = ["memtrain.cli", "memtrain.config", "memtrain.training", "memtrain.evaluate",
            "transformers.models.auto.modeling_auto", "transformers.models.llama.modeling_llama", "scipy.stats",
-           "sklearn.metrics"]
+           "sklearn.metrics", "torch._dynamo"]
 """What the server imports: all a `memtrain train` of a named (Llama) model imports, transformers' lazy modules
-included, and what its evaluation imports where it runs (scipy.stats, scikit-learn). None of them starts a Python
+and torch._dynamo (its first optimizer imports it) included, and what its evaluation imports where it runs
+(scipy.stats, scikit-learn). None of them starts a Python
 thread or initializes CUDA on import (torch and Arrow start a few idle native threads, as in every process that
 forks DataLoader workers)."""
 IF_INSTALLED = ["wandb", "wandb.sdk.launch.inputs.internal"]

@@ -4,7 +4,7 @@ Each block's forward is torch.compile'd as torchtitan does: its norms, rotary em
 adds fuse into a few kernels, and every block shares the compiled graphs (one set with the packed-document mask,
 one without). The engine's products are traced where they are torch's own F.linear; on a grid with tensor
 parallelism, or with GEMM tuning, parallel.Linear and the sharded norms' all-reduce run eagerly between the
-compiled pieces (torch.compiler.disable in the engine), so what fuses there is the work between two products.
+compiled pieces (parallel.comm.eager_under_compile), so what fuses there is the work between two products.
 """
 
 from __future__ import annotations
