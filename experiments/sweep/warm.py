@@ -46,9 +46,8 @@ MODULES = ["memtrain.cli", "memtrain.config", "memtrain.training", "memtrain.eva
            "sklearn.metrics", "torch._dynamo"]
 """What the server imports: all a `memtrain train` of a named (Llama) model imports, transformers' lazy modules
 and torch._dynamo (its first optimizer imports it) included, and what its evaluation imports where it runs
-(scipy.stats, scikit-learn). None of them starts a Python
-thread or initializes CUDA on import (torch and Arrow start a few idle native threads, as in every process that
-forks DataLoader workers)."""
+(scipy.stats, scikit-learn). None of them starts a Python thread or initializes CUDA on import (torch and Arrow
+start a few idle native threads, as in every process that forks DataLoader workers)."""
 IF_INSTALLED = ["wandb", "wandb.sdk.launch.inputs.internal"]
 """Imported too where installed: a run imports wandb only to track to W&B (memtrain.training.tracking), so a cold
 run with W&B off needs none, and neither may the server (a lent GPU's image lacked it; every fork died). Every
