@@ -201,15 +201,18 @@ def test_a_distributed_run_evaluates_on_its_grid(on_two_ranks, tmp_path):
 
 
 def test_commands_that_train_nothing_never_import_torch_dynamo():
-    """`memtrain plan` and `config` (and eval, export, a bad-input exit) build no optimizer and compile nothing, so
+    """`memtrain plan`, `config` and a bad-input exit of `train` build no optimizer and compile nothing, so
     torch._dynamo (1.3 s of a 4.4 s start) stays out: the engine's eager-under-compile layers import it lazily."""
     probe = ("import contextlib, io, sys\nfrom memtrain.cli import main\n"
-             "with contextlib.redirect_stdout(io.StringIO()):\n"
-             "    codes = [main(['plan', '--model', 'ladder-1m', '--gpus', '8']), main(['config'])]\n"
+             "def code(argv):\n"
+             "    try:\n        return main(argv)\n    except SystemExit as e:  # bad input\n        return e.code\n"
+             "with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):\n"
+             "    codes = [code(['plan', '--model', 'ladder-1m', '--gpus', '8']), code(['config']),\n"
+             "             code(['train', '--set', 'train.lr=abc'])]\n"
              "print(codes, 'torch._dynamo' in sys.modules)")
     r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=ENV, cwd=ROOT, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
-    assert r.stdout.split() == ["[0,", "0]", "False"], r.stdout
+    assert r.stdout.split() == ["[0,", "0,", "2]", "False"], r.stdout
 
 
 @pytest.mark.parametrize("argv", [["sweep", "single-pass", "--list"], ["config"],
