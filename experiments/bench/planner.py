@@ -12,8 +12,8 @@ own, and the steps and the probes run beside the same groups.
    micro-batch, the gradient sync, clip_grad_norm_, AdamW). The modes alternate, `--warmup` untimed steps then
    `--rounds` timed ones, each after a barrier and timed as the slowest rank; the median is kept;
 2. then, in the same ranks, measure this machine as `memtrain plan --measure` does, on every rank at once: each
-   collective's time per group size and payload, alone, queued and back to back (`measure_collectives`; payloads
-   up to 4 MiB),
+   collective's time per group size and payload, after compute, queued and back to back, and the share of an
+   async stream that compute hides (`measure_collectives`; payloads up to 4 MiB),
    the fp32 matmul rate per shape (`measure_matmuls`) and the rates of what a step spends besides matmuls
    (`measure_other`: per kernel, per element of each elementwise kind, AdamW's, attention's per score;
    memtrain/plan/probes.py); ranks sharing the cores share them in the probes as in the steps, so the rates are
@@ -33,8 +33,7 @@ own, and the steps and the probes run beside the same groups.
     python -m experiments.bench.planner [--model ladder-1m] [--batch 16] [--seq 64] [--rounds 5] [--json out.json]
 
 Nothing is fitted: the prediction uses only the probes of step 2. What it leaves out shows as the ratio error. On
-8 ranks sharing 2 cores: the data-parallel step spends more than its probed rates, and the overlap credited to
-async collectives is not all there (gloo's threads need the cores the compute uses); step 4's table shows what
+8 ranks sharing 2 cores the data-parallel step still spends more than its probed rates; step 4's table shows what
 each kind of blocking call costs in a step against the probe. The load of other processes on a shared machine
 moves every figure: they are a check of the model, not a test.
 """
@@ -178,7 +177,8 @@ def main(argv=None) -> dict:
     print(f"{args.model}, batch {args.batch} x {args.seq}, {args.world} gloo ranks; median of {args.rounds} steps; "
           f"best matmul {peak / 1e9:.3g} GFLOP/s per rank (all ranks at once); {machine()}")
     other = {k: v for k, v in typical.items() if k not in ("collectives", "collective_curves", "matmuls")}
-    print(f"per kernel {other['op_overhead_s'] * 1e6:.3g} us; per element (ns) " + ", ".join(
+    print(f"overlap {net.overlap:.2f} (the fraction of what async collectives could hide behind compute that they "
+          f"do); per kernel {other['op_overhead_s'] * 1e6:.3g} us; per element (ns) " + ", ".join(
         f"{k} {v * 1e9:.3g}" for k, v in other["elementwise"].items()) + f"; AdamW {other['optimizer'][0] * 1e9:.3g} "
         f"ns per parameter, {other['optimizer'][1] * 1e6:.3g} us per tensor")
     print(table(["grid (d,x,y,z)", "mode", "measured s", "predicted s", "ratio", "compute s", "non-matmul s",

@@ -103,8 +103,9 @@ def main(argv: list[str] | None = None) -> int | None:
           f"{net.gpus_per_node} GPUs/node, {net.gpu_memory_gb:g} GB{guess['gpu_memory_gb']}, "
           f"{net.intra_node_gbps:.3g} GB/s in a node, {net.inter_node_gbps:.3g} GB/s across{guess['inter_node_gbps']}, "
           f"{compute_text(net, cfg.precision)}")
+    hides = "" if net.overlap == 1 else f" (this machine hides {net.overlap:.0%} of what could)"
     print(f"{summary['grids']} grids, {summary['valid']} run and fit; ranked by predicted step time: compute + the "
-          f"communication overlap cannot hide (* = groups span nodes; micro = sequences x micro-batches):")
+          f"communication overlap cannot hide{hides} (* = groups span nodes; micro = sequences x micro-batches):")
     print(table(plans, args.top))
     if guess["inter_node_gbps"] and any(not a["inside_node"] for p in plans[:args.top] for a in p.axes.values()):
         print(f"note: the grids marked * communicate across nodes, which the bandwidth table does not measure: their "

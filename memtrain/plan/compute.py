@@ -51,13 +51,15 @@ the weights' Z all-gathers (prefetched one layer ahead) and reduce-scatters (def
 micro-batch's compute; the gradient all-reduce (buckets launched as gradients become final) runs beside the last
 micro-batch's backward. Everything else (X/Y reductions and re-layouts of activations, norm statistics, the loss,
 the gradient norm) is on the critical path; OAR's window, one dW matmul per layer, is not credited. With both
-kinds sharing one link:
-    step = compute + blocking + max(0, grads - last backward, weights + grads - (compute - optimizer))
+kinds sharing one link, at full overlap:
+    exposed = max(0, grads - last backward, weights + grads - (compute - optimizer))
 i.e. the gradient all-reduce hides behind the last backward at most, and the two together behind all compute
-before the optimizer (which needs the summed gradients). The weights' and gradients' collectives are issued async,
-each queued behind the one before, so they take a measured machine's streamed times; easy mode's re-layouts,
-which follow one another, its times of blocking calls back to back; the rest its times of one call alone
-(`series`, network.Network.seconds).
+before the optimizer (which needs the summed gradients). Of what could hide, the machine's `overlap` fraction does
+(Network.overlap: 1 for a GPU preset; measured, CPU ranks hide little, their collectives needing the cores):
+    step = compute + blocking + weights + grads - overlap x (weights + grads - exposed)
+The weights' and gradients' collectives are issued async, each queued behind the one before, so they take a
+measured machine's streamed times; easy mode's re-layouts, which follow one another, its times of blocking calls
+back to back; the rest its times of one call after compute (`series`, network.Network.seconds).
 """
 
 from __future__ import annotations
@@ -281,8 +283,11 @@ def series(r: Record, gradients=()) -> str:
     return "chained" if r.op in CHAINED_OPS else "isolated"
 
 
-def step_seconds(compute: float, last_backward: float, comm: dict[str, float], optimizer: float = 0.0) -> float:
+def step_seconds(compute: float, last_backward: float, comm: dict[str, float], optimizer: float = 0.0,
+                 overlap: float = 1.0) -> float:
     """Predicted step time: compute + blocking communication + what overlap leaves exposed (module docstring);
-    `optimizer`, part of `compute`, runs after every collective."""
-    weights, grads = comm["weights"], comm["grads"]
-    return compute + comm["blocking"] + max(0.0, grads - last_backward, weights + grads - (compute - optimizer))
+    `optimizer`, part of `compute`, runs after every collective; `overlap`, the fraction of what could hide that
+    does (Network.overlap)."""
+    async_s = comm["weights"] + comm["grads"]
+    exposed = max(0.0, comm["grads"] - last_backward, async_s - (compute - optimizer))
+    return compute + comm["blocking"] + async_s - overlap * (async_s - exposed)

@@ -67,10 +67,15 @@ class Network:
     of `collective_curves`, which the planner uses where it has them)."""
     collective_curves: dict = field(default_factory=dict)
     """Measured: op -> "intra"/"inter" -> {group size: {"bytes": [...], "isolated": [s...], "streamed": [s...],
-    "chained": [s...]}}: one call's seconds per payload, alone after a barrier (as a blocking collective meets its
-    members after compute in a step), for ASYNC_OPS queued behind others of its kind (as the engine's prefetched
-    gathers, deferred reduce-scatters and gradient buckets run), and for CHAINED_OPS blocking, back to back (as easy
-    mode's re-layouts run). Where an op has one, it replaces `collectives`' latency + bytes / bandwidth."""
+    "chained": [s...]}}: one call's seconds per payload, after compute (collectives.lead: as a blocking collective
+    meets its members in a step; its time beyond the compute's), for ASYNC_OPS queued behind others of its kind
+    (as the engine's prefetched gathers, deferred reduce-scatters and gradient buckets run), and for CHAINED_OPS
+    blocking, back to back (as easy mode's re-layouts run). Where an op has one, it replaces `collectives`' latency
+    + bytes / bandwidth."""
+    overlap: float = 1.0
+    """Fraction of the shorter of compute and async communication that runs hidden when both are issued together
+    (compute.step_seconds). Measured (collectives.measure_overlap); 1 in a preset: a GPU runs collectives on its
+    own engines beside its compute, where CPU ranks run them on the cores the compute needs."""
     bf16_tflops: float = 312.0
     """Dense peak matmul TFLOP/s of one GPU in bf16 (tensor cores, no sparsity)."""
     fp32_tflops: float = 19.5
@@ -254,6 +259,8 @@ def _check_table(path: Path, net: Network) -> None:
     if isinstance(net.gpus_per_node, bool) or not isinstance(net.gpus_per_node, int) \
             or not 1 <= net.gpus_per_node <= bounds.DEGREE:
         raise bad("gpus_per_node", f"= {net.gpus_per_node!r} is not an integer in [1, {bounds.DEGREE}]")
+    if not (net.overlap == 0 or _positive(net.overlap) and net.overlap <= 1):
+        raise bad("overlap", f"= {net.overlap!r} is not a fraction in [0, 1]")
     if not (net.op_overhead_s == 0 or _positive(net.op_overhead_s)):
         raise bad("op_overhead_s", f"= {net.op_overhead_s!r} is not a finite number >= 0")
     if not isinstance(net.elementwise, dict) or not all(

@@ -179,7 +179,8 @@ def evaluate(shape, grid: Grid, mode: str, cfg: PlanConfig, net: Network, micro:
     work = compute.step_compute(shape, grid, mode, cfg.batch, cfg.seq, micro, net, cfg.precision,
                                 cfg.activation_checkpointing, cfg.offload and cfg.host_gbps > 0)
     host, traffic = 0, 0
-    step = compute.step_seconds(work.seconds, work.last_backward_seconds, comm, work.optimizer_seconds)
+    step = compute.step_seconds(work.seconds, work.last_backward_seconds, comm, work.optimizer_seconds,
+                                net.overlap)
     if cfg.offload:
         host = sum(cost.host_bytes(shape, grid, mode, pb).values())
         traffic = cost.offload_traffic(shape, grid, mode, pb, host_is_device=cfg.host_gbps == 0)

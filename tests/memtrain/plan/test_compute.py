@@ -197,6 +197,18 @@ def test_step_time_overlap(compute_s, last_backward, comm, optimizer, want, wron
     assert compute.step_seconds(compute_s, last_backward, comm, optimizer) == pytest.approx(want), wrong
 
 
+@pytest.mark.parametrize("comm, overlap, want", [
+    ({"blocking": 1.0, "weights": 4.0, "grads": 1.0}, 1.0, 11.0),
+    ({"blocking": 1.0, "weights": 4.0, "grads": 1.0}, 0.5, 13.5),
+    ({"blocking": 1.0, "weights": 4.0, "grads": 1.0}, 0.0, 16.0),
+    ({"blocking": 1.0, "weights": 9.0, "grads": 5.0}, 0.5, 20.0),  # 4 s exposed at full overlap, half of 10 hidden
+])
+def test_a_machine_hides_its_overlap_fraction_of_what_could_hide(comm, overlap, want):
+    """Network.overlap scales what could hide (compute 10 s, last backward 2 s): 0 leaves every async
+    collective on the step, as on CPU ranks whose collectives need the cores the compute runs on."""
+    assert compute.step_seconds(10.0, 2.0, comm, 0.0, overlap) == pytest.approx(want)
+
+
 def test_records_by_overlap_class():
     shape = cost.shape_of(_model("llama", "meta").config)
     grid = Grid(2, 2, 2, 2)

@@ -1,14 +1,15 @@
 """The measured table's rates of what a step spends besides matmuls (memtrain/plan/network.py, probes.py).
 
-- A table written before these rates were measured still loads, and counts no non-matmul time; a table with them
-  round-trips through JSON; a damaged entry is one error naming it.
+- A table written before these rates were measured still loads, and counts no non-matmul time and full overlap;
+  a table with them round-trips through JSON; a damaged entry is one error naming it.
 - Attention's rate per score interpolates in log head size and holds the edges.
 - A collective's measured curve: piecewise linear between payloads, the smallest's time below them, the last
   segment's rate above them (the whole range's where noise made it fall); the streamed series for a queued call,
   the chained one for a call back to back with others, the isolated one where a curve lacks the series asked for;
   the latency + bandwidth entry where an op has no curve; a damaged curve is one error naming it.
 - The probes, on one process at small sizes: every rate finite and positive, in a table `--bandwidth` reads.
-- The collective probe files a group size where the planner looks it up (network.inside_node), on 4 ranks.
+- The collective probe files a group size where the planner looks it up (network.inside_node), on 4 ranks, and
+  every rank returns the same overlap: the hidden share of the shorter of compute and a stream, within [0, 1].
 """
 
 import json
@@ -41,7 +42,7 @@ def _step(net):
 def test_a_table_without_the_rates_loads_and_counts_no_other_time(tmp_path):
     older = {"gpus_per_node": 8, "matmuls": {"fp32": {"dims": [8, 32], "gflops": [[[2.0] * 2] * 2] * 2}}}
     net = _load(tmp_path, older)
-    assert (net.op_overhead_s, net.elementwise, net.optimizer, net.attention) == (0.0, {}, [], {})
+    assert (net.op_overhead_s, net.elementwise, net.optimizer, net.attention, net.overlap) == (0.0, {}, [], {}, 1.0)
     work = _step(net)
     assert work.other_seconds == work.optimizer_seconds == 0.0
     assert work.seconds == pytest.approx(work.flops / 2e9)  # matmuls and attention, all at the one rate
@@ -59,6 +60,7 @@ def test_a_table_with_the_rates_round_trips(tmp_path):
     ("elementwise", {"norm": -1.0}), ("optimizer", [1e-9]), ("optimizer", [1e-9, "fast"]),
     ("attention", {"fp32": {"head_dims": [32, 8], "seconds": [[1e-9, 1e-9]] * 2}}),
     ("attention", {"fp32": {"head_dims": [8], "seconds": [[1e-9, 0.0]]}}),
+    ("overlap", 1.5), ("overlap", -0.1), ("overlap", "full"),
 ])
 def test_a_damaged_rate_is_one_error_naming_it(tmp_path, key, value):
     with pytest.raises(ValueError, match=f"bandwidth table .*: {key}"):
@@ -128,13 +130,15 @@ def test_probed_rates_are_positive_and_load(monkeypatch, tmp_path):
 
 
 def _probe_places(rank, world):
-    """Where the collective probe files groups of 2 consecutive ranks of 4, at 2, 3 and 4 ranks per node."""
+    """Where the collective probe files groups of 2 consecutive ranks of 4, at 2, 3 and 4 ranks per node; and the
+    overlap each probe measured."""
     grid = Grid(2, 2, 1, 1, rank=rank)
     grid.build_groups()
     try:
-        return {gpn: sorted(collectives.measure_collectives(rank, world, gpn, sizes_mb=(0.01,), iters=1,
-                                                            grids={2: grid})["collective_curves"]["all_reduce"])
-                for gpn in (2, 3, 4)}
+        tables = {gpn: collectives.measure_collectives(rank, world, gpn, sizes_mb=(0.01,), iters=1, grids={2: grid})
+                  for gpn in (2, 3, 4)}
+        return {gpn: sorted(t["collective_curves"]["all_reduce"]) for gpn, t in tables.items()}, \
+            [t["overlap"] for t in tables.values()]
     finally:
         grid.release_groups()
 
@@ -143,10 +147,21 @@ def test_the_probe_files_group_sizes_where_the_planner_looks_them_up():
     """With 3 ranks per node, groups of 2 consecutive ranks of 4 straddle nodes (ranks 2-3 sit on two): the probe
     filed them "intra" (2 <= 3) while network.inside_node, which picks the curve for a step, reads them "inter",
     so the planner took a curve the probe never measured there."""
-    places = run_ranks(4, _probe_places)
+    places, overlaps = zip(*run_ranks(4, _probe_places))
     expected = {gpn: ["intra" if network.inside_node(Grid(2, 2, 1, 1), ("x",), gpn) else "inter"] for gpn in (2, 3, 4)}
     assert expected == {2: ["intra"], 3: ["inter"], 4: ["intra"]}
     assert all(p == expected for p in places), places
+    assert all(o == overlaps[0] for o in overlaps) and all(0 <= f <= 1 for f in overlaps[0]), overlaps  # every rank
+
+
+@pytest.mark.parametrize("compute_s, stream_s, both_s, want", [
+    (10.0, 4.0, 10.0, 1.0), (10.0, 4.0, 14.0, 0.0), (10.0, 4.0, 12.0, 0.5), (4.0, 10.0, 12.0, 0.5),
+    (10.0, 4.0, 16.0, 0.0), (10.0, 4.0, 9.0, 1.0),
+])
+def test_the_overlap_probe_counts_the_hidden_share_of_the_shorter(compute_s, stream_s, both_s, want):
+    """Clipped to [0, 1]: together slower than one after the other (a busy machine) hides nothing; faster than
+    the longer alone (noise) hides all."""
+    assert collectives.hidden_fraction(compute_s, stream_s, both_s) == pytest.approx(want)
 
 
 def test_what_a_table_leaves_out_is_named_where_the_plan_relies_on_it(tmp_path, capsys):
@@ -167,3 +182,21 @@ def test_what_a_table_leaves_out_is_named_where_the_plan_relies_on_it(tmp_path, 
                    "--gpu-memory-gb", "16"])
     out = capsys.readouterr().out
     assert "16 GB," in out and "not in the table" in out and "note:" not in out  # one node: nothing crosses
+
+
+def test_a_measured_overlap_slows_the_grids_whose_collectives_could_hide(tmp_path, capsys):
+    """A machine that hides a quarter of what could hide: the data-parallel grid's gradient all-reduce, hidden
+    behind backward at full overlap, now mostly lands on its step; the plan's header says how much this machine
+    hides."""
+    doc = {"name": "cpu", "gpus_per_node": 8, "intra_node_gbps": 1.0}
+    steps = {}
+    for overlap in (1.0, 0.25):
+        net = _load(tmp_path, {**doc, "overlap": overlap})
+        plans, _ = search.plan(search.PlanConfig("ladder-1m", 8, batch=16, seq=64, mode="sharded"), net)
+        steps[overlap] = {p.grid: p for p in plans}[(8, 1, 1, 1)]
+    full, quarter = steps[1.0], steps[0.25]
+    assert full.step_seconds < full.compute_seconds + full.comm_seconds  # something hides at full overlap
+    hidden = full.compute_seconds + full.comm_seconds - full.step_seconds
+    assert quarter.step_seconds == pytest.approx(full.step_seconds + 0.75 * hidden)
+    plan_cli.main(["--model", "ladder-1m", "--gpus", "8", "--bandwidth", str(tmp_path / "bw.json")])
+    assert "this machine hides 25% of what could" in capsys.readouterr().out
