@@ -146,7 +146,8 @@ def _probe_places(rank, world):
 def test_the_probe_files_group_sizes_where_the_planner_looks_them_up():
     """With 3 ranks per node, groups of 2 consecutive ranks of 4 straddle nodes (ranks 2-3 sit on two): the probe
     filed them "intra" (2 <= 3) while network.inside_node, which picks the curve for a step, reads them "inter",
-    so the planner took a curve the probe never measured there."""
+    so the planner took a curve the probe never measured there. Each probe's overlap: the same on every rank, a
+    fraction."""
     places, overlaps = zip(*run_ranks(4, _probe_places))
     expected = {gpn: ["intra" if network.inside_node(Grid(2, 2, 1, 1), ("x",), gpn) else "inter"] for gpn in (2, 3, 4)}
     assert expected == {2: ["intra"], 3: ["inter"], 4: ["intra"]}
