@@ -12,7 +12,7 @@ import parallel
 from memtrain.hf import parallelize
 from parallel.forked import run_ranks
 from tests.memtrain._models import tiny
-from tests.memtrain.hf.test_parallelize import LOSS_TOL, SEED, assert_trains_as_plain, plm_train
+from tests.memtrain.hf._training import LOSS_TOL, SEED, assert_trains_as_plain, plm_train
 
 READ_AS_MATRIX = {"mamba": ["backbone.layers.0.mixer.dt_proj", "backbone.layers.1.mixer.dt_proj"],
                   "falcon_mamba": ["backbone.layers.0.mixer.dt_proj", "backbone.layers.1.mixer.dt_proj"],
@@ -115,7 +115,7 @@ def _mamba_trains(rank, world):
 def test_a_whole_layer_trains_alike_on_a_grid():
     """The whole layer is replicated: its gradient is summed over the ranks' rows like a norm's. The seeded init and
     3 AdamW steps on Y=2 equal one process: initial weights exactly (HF's own init for the whole layer, drawn alike on
-    every rank), losses within 1e-5 relative, weights within 2e-4 (test_parallelize.py's tolerances and why)."""
+    every rank), losses within 1e-5 relative, weights within 2e-4 (_training.py's tolerances and why)."""
     init, losses, final = _mamba_trains(0, 1)
     for got_init, got_losses, got_final in run_ranks(2, _mamba_trains):
         assert all(torch.equal(got_init[k], init[k]) for k in init)
