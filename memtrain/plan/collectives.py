@@ -106,12 +106,8 @@ def measure_collectives(rank: int, world: int, gpus_per_node: int, sizes_mb=(0.2
                     sample = timed(op, grid, tensors)
                     if round_:
                         kept.append(sample)
-            medians = torch.tensor([[statistics.median(s[k] for s in v) for k in range(len(SERIES))]
-                                    for v in samples.values()], dtype=torch.float64, device=device)
-            mean = medians[:, 0].clone()
-            dist.all_reduce(mean)
-            dist.all_reduce(medians, op=dist.ReduceOp.MAX)
-            medians[:, 0] = mean / world
+            medians = across_ranks(torch.tensor([[statistics.median(s[k] for s in v) for k in range(len(SERIES))]
+                                                 for v in samples.values()], dtype=torch.float64, device=device))
             for (op, n), figures in zip(samples, medians.tolist()):
                 by_size = curves.setdefault(op, {}).setdefault(place, {})
                 curve = by_size.setdefault(str(p), {"bytes": []})
@@ -135,6 +131,16 @@ def measure_collectives(rank: int, world: int, gpus_per_node: int, sizes_mb=(0.2
             for grid in grids.values():
                 grid.release_groups()
     return {"collective_curves": curves, "collectives": summary, "overlap": overlap}
+
+
+def across_ranks(medians: torch.Tensor) -> torch.Tensor:
+    """What the table keeps of every rank's medians [figures, SERIES] (every rank calls it and gets the same): the
+    isolated series' mean over ranks, the others' maximum (see measure_collectives)."""
+    mean = medians[:, 0].clone()
+    dist.all_reduce(mean)
+    dist.all_reduce(medians, op=dist.ReduceOp.MAX)
+    medians[:, 0] = mean / dist.get_world_size()
+    return medians
 
 
 def measure_overlap(grid: Grid, iters: int = 5, device=None) -> float:
