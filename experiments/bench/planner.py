@@ -27,8 +27,9 @@ own, and the steps and the probes run beside the same groups.
    alone, what the planner ranked by before it modelled compute). The issue's targets: Spearman >= 0.9 in each
    mode, median ratio error <= 0.15;
 4. to show where the communication model misses: one more step per mode with the ledger timing every blocking
-   collective (parallel.comm.Ledger.timed), and per mode, op and group size over all grids, the seconds a call
-   took in the step against the probed seconds the prediction charged it.
+   collective (parallel.comm.Ledger.timed); per grid, their seconds in the step against the probed seconds the
+   prediction charged them, and the rest of the step time measured against predicted (`blocking_totals`); and per
+   mode, op and group size over all grids, the seconds a call took in the step against its probed seconds.
 
     python -m experiments.bench.planner [--model ladder-1m] [--batch 16] [--seq 64] [--rounds 5] [--json out.json]
 
@@ -121,6 +122,21 @@ def blocking_calls(step) -> list[tuple[Record, float]]:
     return [(r, s) for r, s in zip(parallel.LEDGER.records, parallel.LEDGER.blocked) if s is not None]
 
 
+def probed_seconds(r: Record, grid: parallel.Grid, net: Network) -> float:
+    """What the prediction charges one blocking call of the step."""
+    return net.seconds(r, inside_node(grid, r.axes.split("+"), net.gpus_per_node), compute.series(r))
+
+
+def blocking_totals(per_rank: list, mode: str, grid: parallel.Grid, net: Network) -> tuple[float, float]:
+    """One grid's blocking collectives of a step in `mode`: their seconds in the step (each rank's sum, averaged
+    over ranks) and as probed. What is left of the measured and predicted step times besides them is compute and
+    the async collectives: the weights' Z gathers and reduce-scatters and the gradient buckets, as much as overlap
+    leaves exposed, and OAR's all-reduces of input gradients (which the planner charges in full, at their isolated
+    time)."""
+    in_step = sum(sum(s for _, s in calls[mode]) for calls in per_rank) / len(per_rank)
+    return in_step, sum(probed_seconds(r, grid, net) for r, _ in per_rank[0][mode])
+
+
 def in_step_table(blocking: dict, net: Network) -> list[dict]:
     """Per mode, op and group size, over every grid: the blocking calls of one step, and their mean seconds per
     call in the step (each rank's own, averaged over ranks: its wait for the slowest member included) and as
@@ -132,8 +148,7 @@ def in_step_table(blocking: dict, net: Network) -> list[dict]:
             for r, _ in per_rank[0][mode]:  # every rank of a grid issues the same records
                 entry = acc[(mode, r.op, r.group_size)]
                 entry["calls"] += 1
-                entry["probed_s"] += net.seconds(r, inside_node(grid, r.axes.split("+"), net.gpus_per_node),
-                                                 compute.series(r))
+                entry["probed_s"] += probed_seconds(r, grid, net)
             for calls in per_rank:
                 for r, seconds in calls[mode]:
                     acc[(mode, r.op, r.group_size)]["in_step_s"] += seconds / len(per_rank)
@@ -169,7 +184,9 @@ def main(argv=None) -> dict:
         grid = parallel.Grid(*degrees)
         for mode, measured in by_mode.items():
             p = search.evaluate(shape, grid, mode, cfg, net, args.batch // cost.rows_split(grid, mode))
+            in_step, probed = blocking_totals(blocking[degrees], mode, grid, net)
             rows.append({"grid": degrees, "mode": mode, "measured_s": measured, "predicted_s": p.step_seconds,
+                         "blocking_measured_s": in_step, "blocking_predicted_s": probed,
                          "compute_s": p.compute_seconds, "other_s": p.other_seconds, "comm_s": p.comm_seconds,
                          "ratio": p.step_seconds / measured,
                          "predicted_mfu": p.mfu, "measured_mfu": p.mfu * p.step_seconds / measured,
@@ -182,9 +199,12 @@ def main(argv=None) -> dict:
         f"{k} {v * 1e9:.3g}" for k, v in other["elementwise"].items()) + f"; AdamW {other['optimizer'][0] * 1e9:.3g} "
         f"ns per parameter, {other['optimizer'][1] * 1e6:.3g} us per tensor")
     print(table(["grid (d,x,y,z)", "mode", "measured s", "predicted s", "ratio", "compute s", "non-matmul s",
-                 "comm s", "MFU meas", "MFU pred", "MiB sent"],
+                 "comm s", "blocking meas / pred s", "rest meas / pred s", "MFU meas", "MFU pred", "MiB sent"],
                 [(r["grid"], r["mode"], f"{r['measured_s']:.4f}", f"{r['predicted_s']:.4f}", f"{r['ratio']:.2f}",
                   f"{r['compute_s']:.4f}", f"{r['other_s']:.4f}", f"{r['comm_s']:.4f}",
+                  f"{r['blocking_measured_s']:.4f} / {r['blocking_predicted_s']:.4f}",
+                  f"{r['measured_s'] - r['blocking_measured_s']:.4f} / "
+                  f"{r['predicted_s'] - r['blocking_predicted_s']:.4f}",
                   f"{100 * r['measured_mfu']:.2f}%", f"{100 * r['predicted_mfu']:.2f}%", f"{r['moved_mb']:.2f}")
                  for r in sorted(rows, key=lambda r: r["measured_s"])]))
     in_step = in_step_table(blocking, net)
