@@ -59,7 +59,14 @@ before the optimizer (which needs the summed gradients). Of what could hide, the
     step = compute + blocking + weights + grads - overlap x (weights + grads - exposed)
 The weights' and gradients' collectives are issued async, each queued behind the one before, so they take a
 measured machine's streamed times; easy mode's re-layouts, which follow one another, its times of blocking calls
-back to back; the rest its times of one call after compute (`series`, network.Network.seconds).
+back to back; the rest its times of one call after compute (`series`, network.Network.seconds), but for sharded
+mode's OAR all-reduces (cost.Log.oar): issued async and waited after the weight gradient's matmul, so a rank
+never waits in them for the last member to arrive, they take the streamed time too, on the critical path. Chosen
+on two runs of bench.planner (ladder-1m, 8 gloo ranks on 2 cores), where charged the time after compute the
+grids with two tensor axes were predicted at 1.15-1.3x their measured time (sharded median ratio error 0.117 and
+0.154; 0.100 and 0.114 with the streamed time); in three more runs 0.083, 0.097 and 0.092 against 0.131, 0.116
+and 0.139 the old way. The cost: an OAR over all 8 ranks, (1, 1, 8, 1), took more than its streamed time, that
+grid now predicted at 0.75-0.8x, and the sharded Spearman fell from 0.971-0.983 to 0.943-0.958.
 """
 
 from __future__ import annotations
@@ -256,14 +263,17 @@ def step_compute(shape: Shape, grid: Grid, mode: str, batch: int, seq: int, micr
 # Overlap.
 
 
-def comm_seconds(records: Counter, gradients: Counter, seconds) -> dict[str, float]:
+def comm_seconds(records: Counter, gradients: Counter, oar: Counter, seconds) -> dict[str, float]:
     """Seconds of a step's records (cost.step_records) by what overlap can do with them: "weights" (Z all-gathers
-    and reduce-scatters), "grads" (the gradient all-reduce, cost.gradient_records), "blocking" (the rest).
-    `seconds(record, series)` is one record's time, issued as `series` says."""
+    and reduce-scatters), "grads" (the gradient all-reduce, cost.gradient_records), "blocking" (the rest, `oar`'s
+    records among them at their streamed time: module docstring). `seconds(record, series)` is one record's time,
+    issued as `series` says."""
     out = {"blocking": 0.0, "weights": 0.0, "grads": 0.0}
     for r, n in gradients.items():
         out["grads"] += n * seconds(r, "streamed")
-    for r, n in (records - gradients).items():
+    for r, n in oar.items():
+        out["blocking"] += n * seconds(r, "streamed")
+    for r, n in (records - gradients - oar).items():
         out["weights" if weights(r) else "blocking"] += n * seconds(r, series(r, gradients))
     return out
 

@@ -92,15 +92,20 @@ def check(shape: Shape, grid: Grid, mode: str, batch: int, micro: int | None = N
 
 
 class Log:
-    """A predicted ledger: how many times each `Record` is issued."""
+    """A predicted ledger: how many times each `Record` is issued; `oar`, those of them that are sharded mode's
+    input-gradient all-reduces, which train_step's overlap issues async while the weight gradient's matmul runs
+    (OAR, parallel/linear.py)."""
 
     def __init__(self, grid: Grid):
-        self.grid, self.records = grid, Counter()
+        self.grid, self.records, self.oar = grid, Counter(), Counter()
 
-    def add(self, op: str, axes, nbytes: int, times: int = 1) -> None:
+    def add(self, op: str, axes, nbytes: int, times: int = 1, oar: bool = False) -> None:
         p = self.grid.size(axes)
         if p > 1 and times:  # groups of one member record nothing (parallel.comm)
-            self.records[Record(op, self.grid.label(axes), p, int(nbytes))] += times
+            r = Record(op, self.grid.label(axes), p, int(nbytes))
+            self.records[r] += times
+            if oar:
+                self.oar[r] += times
 
 
 def linear(log: Log, m: Matrix, mode: str, t: int, pb: int, cb: int, fwd: int, bwd: int,
@@ -114,7 +119,7 @@ def linear(log: Log, m: Matrix, mode: str, t: int, pb: int, cb: int, fwd: int, b
         log.add("all_gather", "z", gathered, fwd)
         log.add("all_reduce", A, t * m.rows // b * cb, fwd)
         log.add("all_gather", "z", gathered, bwd)
-        log.add("all_reduce", B, t * m.cols // a * cb, bwd)
+        log.add("all_reduce", B, t * m.cols // a * cb, bwd, oar=True)
         log.add("reduce_scatter", "z", block * pb, bwd)
         return
     ib = cb if m.compute_input else pb
@@ -157,7 +162,7 @@ def lm_head(log: Log, shape: Shape, vocab: int, mode: str, t: int, pb: int, cb: 
         log.add("all_reduce", "x", t * vocab // g.y * cb, fwd)
         log.add("all_reduce", "y", t * FP32, fwd)  # max
         log.add("all_reduce", "y", 2 * t * FP32, fwd)  # sum of exp, target logit
-        log.add("all_reduce", "y", t * h // g.x * cb, bwd)
+        log.add("all_reduce", "y", t * h // g.x * cb, bwd, oar=True)  # a Linear's backward: OAR
         return
     plane, rows = t * g.x * g.y, t * g.y  # the loss runs on this X column's plane rows
     log.add("all_to_all", "x", t * h * pb, fwd + bwd)
@@ -251,9 +256,15 @@ def parameters(shape: Shape, grid: Grid, mode: str) -> list[Param]:
     return ordered_parameters(shape, grid, mode)[0]
 
 
-def step_records(shape: Shape, grid: Grid, mode: str, batch: int, seq: int, micro: int | None = None, *,
-                 precision: str = "fp32", param_bytes: int = 4, checkpointing: bool = False, **sync) -> Counter:
-    """The ledger of one optimizer step of memtrain's trainer, record for record.
+def step_records(shape: Shape, grid: Grid, mode: str, batch: int, seq: int, micro: int | None = None,
+                 **kw) -> Counter:
+    """The ledger of one optimizer step of memtrain's trainer, record for record (`step_log`'s records)."""
+    return step_log(shape, grid, mode, batch, seq, micro, **kw).records
+
+
+def step_log(shape: Shape, grid: Grid, mode: str, batch: int, seq: int, micro: int | None = None, *,
+             precision: str = "fp32", param_bytes: int = 4, checkpointing: bool = False, **sync) -> Log:
+    """The ledger of one optimizer step of memtrain's trainer, record for record, with its OAR records apart.
 
     micro: sequences per rank per forward/backward (None: all of the rank's rows, the trainer's default).
     checkpointing: each block's forward runs again in backward (HF-style per-block recomputation), so its
@@ -287,7 +298,7 @@ def step_records(shape: Shape, grid: Grid, mode: str, batch: int, seq: int, micr
     log.records.update(gradient_records(shape, grid, mode, pb, **sync))
     log.add("all_reduce", AXES, 8)  # grad_norm: one float64 over the world (clipping or not)
     log.add("all_reduce", AXES if mode == "easy" else ("z", "data"), 4 * 8)  # the step's loss sums (float64)
-    return log.records
+    return log
 
 
 def gradient_buckets(shape: Shape, grid: Grid, mode: str, param_bytes: int = 4, *, grad_sync: str = "overlap",

@@ -156,8 +156,9 @@ def evaluate(shape, grid: Grid, mode: str, cfg: PlanConfig, net: Network, micro:
     The blocking gradient sync's all-reduces run after backward: nothing hides them."""
     pb = device_param_bytes(cfg)
     kw = dict(precision=cfg.precision, param_bytes=pb)
-    records = cost.step_records(shape, grid, mode, cfg.batch, cfg.seq, micro,
-                                checkpointing=cfg.activation_checkpointing, grad_sync=cfg.grad_sync, **kw)
+    log = cost.step_log(shape, grid, mode, cfg.batch, cfg.seq, micro, checkpointing=cfg.activation_checkpointing,
+                        grad_sync=cfg.grad_sync, **kw)
+    records = log.records
     gradients = cost.gradient_records(shape, grid, mode, pb) if cfg.grad_sync == "overlap" else Counter()
 
     def seconds(r, series: str) -> float:
@@ -169,13 +170,14 @@ def evaluate(shape, grid: Grid, mode: str, cfg: PlanConfig, net: Network, micro:
         a = axes.setdefault(r.axes, {"payload": 0, "moved": 0.0, "seconds": 0.0, "inside_node": inside})
         a["payload"] += n * r.nbytes
         a["moved"] += n * r.moved_bytes
-        a["seconds"] += n * seconds(r, compute.series(r, gradients))
+        oar = log.oar[r]
+        a["seconds"] += oar * seconds(r, "streamed") + (n - oar) * seconds(r, compute.series(r, gradients))
     memory = device_state(shape, grid, mode, cfg)
     memory["activations"] = cost.activation_bytes(shape, grid, mode, micro * cfg.seq,
                                                   checkpointing=cfg.activation_checkpointing, **kw)
     memory["total"] = sum(memory.values())
     local = cfg.batch // cost.rows_split(grid, mode)
-    comm = compute.comm_seconds(records, gradients, seconds)
+    comm = compute.comm_seconds(records, gradients, log.oar, seconds)
     work = compute.step_compute(shape, grid, mode, cfg.batch, cfg.seq, micro, net, cfg.precision,
                                 cfg.activation_checkpointing, cfg.offload and cfg.host_gbps > 0)
     host, traffic = 0, 0

@@ -212,14 +212,17 @@ def test_a_machine_hides_its_overlap_fraction_of_what_could_hide(comm, overlap, 
 def test_records_by_overlap_class():
     shape = cost.shape_of(_model("llama", "meta").config)
     grid = Grid(2, 2, 2, 2)
-    records = cost.step_records(shape, grid, "sharded", B, S)
+    log = cost.step_log(shape, grid, "sharded", B, S)
+    records, oar = log.records, log.oar
     grads = cost.gradient_records(shape, grid, "sharded")
     assert {(r.op, r.axes) for r in grads} == {("all_reduce", "data"), ("all_reduce", "z+data")}
-    # One second per isolated record, ten per streamed one (queued async): counts, and which time each class takes.
-    got = compute.comm_seconds(records, grads, lambda r, series: {"streamed": 10.0, "isolated": 1.0}[series])
+    assert {(r.op, r.axes) for r in oar} == {("all_reduce", "x"), ("all_reduce", "y")}  # each Linear's B axis
+    # One second per isolated record, ten per streamed one (queued async, or OAR): counts, and which time each
+    # class takes.
+    got = compute.comm_seconds(records, grads, oar, lambda r, series: {"streamed": 10.0, "isolated": 1.0}[series])
     weights = sum(n for r, n in records.items() if r.axes == "z")
     assert got["weights"] == 10 * weights > 0 and got["grads"] == 20
-    assert got["blocking"] == sum(records.values()) - weights - 2
+    assert got["blocking"] == sum(records.values()) - weights - 2 + 9 * sum(oar.values())
     loss_sums = Counter({r: n for r, n in records.items() if r.axes == "z+data" and r.nbytes == 32})
     assert sum(loss_sums.values()) == 1 and not loss_sums & grads  # same op and axes as a gradient bucket
 

@@ -76,11 +76,17 @@ def _worker(rank, world):
             plm.enable_activation_checkpointing()
         opt = build_optimizer(plm, RunConfig())
         parallel.LEDGER.reset()
-        run_step(plm, grid, opt, precision, micro_batch(degrees, mode), plm.config.vocab_size)
+        parallel.LEDGER.timed = True  # which calls were async: the planner charges them apart
+        try:
+            run_step(plm, grid, opt, precision, micro_batch(degrees, mode), plm.config.vocab_size)
+        finally:
+            parallel.LEDGER.timed = False
         params = parallel.unique_parameters(plm)
         nbytes = lambda ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
         state = [t for st in opt.state.values() for t in st.values() if torch.is_tensor(t)]
         out[case] = {"records": Counter(parallel.LEDGER.records),
+                     "async_all_reduces": Counter(r for r, s in zip(parallel.LEDGER.records, parallel.LEDGER.blocked,
+                                                                    strict=True) if s is None and r.op == "all_reduce"),
                      "memory": {"params": nbytes(params), "grads": nbytes(p.grad for p in params),
                                 "optimizer": nbytes(state)}}
     for case in BUCKET_CASES:
@@ -131,6 +137,22 @@ def test_predicted_bytes_equal_ledger(ranks, case):
         got = got[case]["records"]
         assert got == want, (rank, sorted((got - want).items(), key=str), sorted((want - got).items(), key=str))
         assert totals(got) == totals(want)
+
+
+@pytest.mark.parametrize("case", CASES, ids=_id)
+def test_the_async_all_reduces_are_the_gradient_buckets_and_oar(ranks, case):
+    """The planner charges an async all-reduce apart from a blocking one: a gradient bucket may hide behind
+    backward, and sharded mode's input-gradient all-reduces (OAR: cost.Log.oar) take their streamed time. The
+    ledger's async all-reduces of the step are exactly those two kinds (easy mode's OAR reduce-scatters instead)."""
+    degrees, family, mode, precision, extra = case
+    shape = cost.shape_of(step_model(family, extra, "meta").config)
+    log = cost.step_log(shape, Grid(*degrees), mode, B, S, micro_batch(degrees, mode), precision=precision,
+                        checkpointing=("recompute", True) in extra, first_step=True)
+    want = log.oar + cost.gradient_records(shape, Grid(*degrees), mode, first_step=True)
+    assert bool(log.oar) == (mode == "sharded" and degrees[1] * degrees[2] > 1), log.oar
+    for rank, got in enumerate(ranks):
+        got = got[case]["async_all_reduces"]
+        assert got == want, (rank, sorted((got - want).items(), key=str), sorted((want - got).items(), key=str))
 
 
 @pytest.mark.parametrize("case", CASES, ids=_id)
