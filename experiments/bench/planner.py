@@ -131,8 +131,8 @@ def blocking_totals(per_rank: list, mode: str, grid: parallel.Grid, net: Network
     """One grid's blocking collectives of a step in `mode`: their seconds in the step (each rank's sum, averaged
     over ranks) and as probed. What is left of the measured and predicted step times besides them is compute and
     the async collectives: the weights' Z gathers and reduce-scatters and the gradient buckets, as much as overlap
-    leaves exposed, and OAR's all-reduces of input gradients (which the planner charges in full, at their isolated
-    time)."""
+    leaves exposed, and sharded mode's OAR all-reduces of input gradients (which the planner charges in full, at
+    their streamed time: memtrain/plan/compute.py)."""
     in_step = sum(sum(s for _, s in calls[mode]) for calls in per_rank) / len(per_rank)
     return in_step, sum(probed_seconds(r, grid, net) for r, _ in per_rank[0][mode])
 
