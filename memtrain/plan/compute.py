@@ -60,8 +60,8 @@ before the optimizer (which needs the summed gradients). Of what could hide, the
 The weights' and gradients' collectives are issued async, each queued behind the one before, so they take a
 measured machine's streamed times; easy mode's re-layouts, which follow one another, its times of blocking calls
 back to back; the rest its times of one call after compute (`series`, network.Network.seconds), but for sharded
-mode's OAR all-reduces (cost.Log.oar): issued async and waited after the weight gradient's matmul, so a rank
-never waits in them for the last member to arrive, they take the streamed time too, on the critical path. Chosen
+mode's OAR all-reduces (cost.Log.oar): issued async and waited only after the weight gradient's matmul (part of
+the members' arrival skew passes behind it), they take the streamed time too, on the critical path. Chosen
 on two runs of bench.planner (ladder-1m, 8 gloo ranks on 2 cores), where charged the time after compute the
 grids with two tensor axes were predicted at 1.15-1.3x their measured time (sharded median ratio error 0.117 and
 0.154; 0.100 and 0.114 with the streamed time); in three more runs 0.083, 0.097 and 0.092 against 0.131, 0.116

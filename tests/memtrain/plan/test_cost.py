@@ -13,6 +13,8 @@
   The bf16 cases with z > 1 pin the Z weight all-gathers of Linear and LM head in bf16 (the embedding's and
   every reduce-scatter stay fp32), also with a tied head and with activation checkpointing, whose recomputed
   forward gathers again under the replayed autocast (the OAG prefetcher must gather each in the dtype taken).
+- Async calls: the step's async all-reduces are exactly cost.gradient_records' buckets and cost.Log.oar (sharded
+  mode's OAR), the ones the planner charges apart from blocking calls.
 - Memory: the estimate of parameter + gradient + AdamW bytes per rank within 10% of the tensors the ranks
   hold after the step (it is exact by construction; 10% is the issue's bound).
 - The measured collectives (`plan --measure`) of the same ranks: a curve per op and group size at every payload,
