@@ -58,7 +58,7 @@ from memtrain.hf import parallelize
 from memtrain.models import build_model
 from memtrain.plan import compute, cost, search
 from memtrain.plan.collectives import measure_collectives, probe_grids
-from memtrain.plan.network import Network, inside_node
+from memtrain.plan.network import Network
 from memtrain.plan.probes import measure_matmuls, measure_other
 from memtrain.training import build_optimizer, train_step
 from parallel.comm import Record
@@ -124,7 +124,7 @@ def blocking_calls(step) -> list[tuple[Record, float]]:
 
 def probed_seconds(r: Record, grid: parallel.Grid, net: Network) -> float:
     """What the prediction charges one blocking call of the step."""
-    return net.seconds(r, inside_node(grid, r.axes.split("+"), net.gpus_per_node), compute.series(r))
+    return net.seconds_on(r, grid, compute.series(r))
 
 
 def blocking_totals(per_rank: list, mode: str, grid: parallel.Grid, net: Network) -> tuple[float, float]:

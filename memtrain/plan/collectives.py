@@ -149,7 +149,7 @@ def measure_overlap(grid: Grid, iters: int = 5, device=None) -> float:
     shorter, from each one's median over `iters` rounds (after a warm-up) and the slowest rank's, clipped to [0, 1].
     The compute is `lead`'s matmuls, as many as take about the stream's time alone (rank 0's count, so every rank
     runs the same). A GPU runs a collective on its own engine beside the compute; CPU ranks run it on the cores
-    the compute needs: on 8 gloo ranks sharing 2 cores it measured 0.00-0.22 (four runs of bench.planner),
+    the compute needs: on 8 gloo ranks sharing 2 cores it measured 0.00-0.22 (nine runs of bench.planner),
     where the planner had credited 1."""
     operand, clocked = lead_operand(device), partial(_clocked, device=device)
     tensors = [torch.ones(OVERLAP_BYTES // 4, device=device) for _ in range(STREAMED)]

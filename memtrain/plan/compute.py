@@ -263,18 +263,25 @@ def step_compute(shape: Shape, grid: Grid, mode: str, batch: int, seq: int, micr
 # Overlap.
 
 
-def comm_seconds(records: Counter, gradients: Counter, oar: Counter, seconds) -> dict[str, float]:
-    """Seconds of a step's records (cost.step_records) by what overlap can do with them: "weights" (Z all-gathers
-    and reduce-scatters), "grads" (the gradient all-reduce, cost.gradient_records), "blocking" (the rest, `oar`'s
-    records among them at their streamed time: module docstring). `seconds(record, series)` is one record's time,
-    issued as `series` says."""
-    out = {"blocking": 0.0, "weights": 0.0, "grads": 0.0}
+def issued(records: Counter, gradients: Counter, oar: Counter):
+    """A step's records (cost.step_records, whose `gradients` and `oar` are parts of it) as (record, times, class,
+    series): the class by what overlap can do with them, "weights" (Z all-gathers and reduce-scatters), "grads"
+    (the gradient all-reduce, cost.gradient_records) or "blocking" (the rest, `oar`'s records among them at their
+    streamed time: module docstring); the series how they are issued (network.SERIES)."""
     for r, n in gradients.items():
-        out["grads"] += n * seconds(r, "streamed")
+        yield r, n, "grads", "streamed"
     for r, n in oar.items():
-        out["blocking"] += n * seconds(r, "streamed")
+        yield r, n, "blocking", "streamed"
     for r, n in (records - gradients - oar).items():
-        out["weights" if weights(r) else "blocking"] += n * seconds(r, series(r, gradients))
+        yield r, n, "weights" if weights(r) else "blocking", series(r, gradients)
+
+
+def comm_seconds(records: Counter, gradients: Counter, oar: Counter, seconds) -> dict[str, float]:
+    """Seconds of a step's records per class of `issued`; `seconds(record, series)` is one record's time, issued
+    as `series` says."""
+    out = {"blocking": 0.0, "weights": 0.0, "grads": 0.0}
+    for r, n, kind, how in issued(records, gradients, oar):
+        out[kind] += n * seconds(r, how)
     return out
 
 

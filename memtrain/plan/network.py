@@ -102,6 +102,10 @@ class Network:
     """Figures a bandwidth table left out (inter_node_gbps: null from a one-node --measure; gpu_memory_gb, which it
     never holds), so the preset's stand in: the plan's header says so."""
 
+    def seconds_on(self, record: Record, grid: Grid, series: str = "isolated") -> float:
+        """`seconds` of a record of a step on `grid`, inside a node or across as the grid places its groups."""
+        return self.seconds(record, inside_node(grid, record.axes.split("+"), self.gpus_per_node), series)
+
     def seconds(self, record: Record, inside_node: bool, series: str = "isolated") -> float:
         """Time of one collective, from the nearest measured group size: its measured curve at this payload, in the
         series of how it is issued ("isolated", "streamed" or "chained"; compute.series; "isolated" where the curve

@@ -162,16 +162,15 @@ def evaluate(shape, grid: Grid, mode: str, cfg: PlanConfig, net: Network, micro:
     gradients = cost.gradient_records(shape, grid, mode, pb) if cfg.grad_sync == "overlap" else Counter()
 
     def seconds(r, series: str) -> float:
-        return net.seconds(r, inside_node(grid, r.axes.split("+"), net.gpus_per_node), series)
+        return net.seconds_on(r, grid, series)
 
     axes: dict[str, dict] = {}
-    for r, n in records.items():
+    for r, n, _, how in compute.issued(records, gradients, log.oar):
         inside = inside_node(grid, r.axes.split("+"), net.gpus_per_node)
         a = axes.setdefault(r.axes, {"payload": 0, "moved": 0.0, "seconds": 0.0, "inside_node": inside})
         a["payload"] += n * r.nbytes
         a["moved"] += n * r.moved_bytes
-        oar = log.oar[r]
-        a["seconds"] += oar * seconds(r, "streamed") + (n - oar) * seconds(r, compute.series(r, gradients))
+        a["seconds"] += n * seconds(r, how)
     memory = device_state(shape, grid, mode, cfg)
     memory["activations"] = cost.activation_bytes(shape, grid, mode, micro * cfg.seq,
                                                   checkpointing=cfg.activation_checkpointing, **kw)
